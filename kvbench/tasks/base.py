@@ -1,0 +1,79 @@
+"""The task contract: a benchmark is mostly data (prompts, max lengths, metric names) plus small scorers.
+
+A task yields ``Sample``s; the runner turns each into token ids with ``encode_sample`` (chat template on/off and
+middle truncation as the protocol says), generates, then calls ``task.score`` per sample and
+``task.aggregate`` over all records. ``Task.version`` is the protocol version: it is part of the result key, so
+changing a prompt or a scorer must bump it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """One benchmark item.
+
+    id: stable and unique within the task (records are resumed by id).
+    prompt: the user text *before* any chat template (the question is inside it unless the protocol says not).
+    answers: reference answers; scorers take the max over them where the protocol does.
+    meta: anything the aggregate needs (context length, depth, dataset, ...); stored in the record.
+    system: system prompt for the chat template, or None for the tokenizer's default.
+    assistant_prefix: text that starts the answer (after the chat template's assistant header, or appended to a
+        raw prompt), e.g. "The pass key is".
+    """
+
+    id: str
+    prompt: str
+    answers: list[str]
+    meta: dict[str, Any] = field(default_factory=dict)
+    system: str | None = None
+    assistant_prefix: str = ""
+
+
+class Task(ABC):
+    """Base class of every benchmark task. Subclasses are dataclasses whose fields are the protocol."""
+
+    name: str = "task"
+    version: str = "1"
+    metric: str = "score"  # name of the per-sample metric, e.g. "rouge1_f_x10", "accuracy"
+    max_new_tokens: int = 32
+    chat_template: bool = False  # apply the model's chat template to the prompt
+    stop_strings: Sequence[str] = ()  # generation stops at any of these; they are cut from the prediction
+    truncate_to: int | None = None  # middle-truncate prompts to this many tokens (None: model's max_input_tokens)
+
+    @abstractmethod
+    def samples(self, tokenizer: Any) -> list[Sample]:
+        """All samples of this task, in a fixed order (tokenizer-aware generators may use the tokenizer)."""
+
+    def postprocess(self, prediction: str, sample: Sample) -> str:
+        """Official post-processing of a raw generation before scoring (default: strip)."""
+        return prediction.strip()
+
+    @abstractmethod
+    def score(self, prediction: str, sample: Sample) -> float:
+        """Per-sample score of a post-processed prediction (on the task's reporting scale)."""
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Scores over all records. Default: the mean of ``record["score"]`` as ``{"score": ..., "n": ...}``."""
+        values = [float(r["score"]) for r in records]
+        return {"score": round(sum(values) / len(values), 4) if values else float("nan"), "n": len(values)}
+
+    def protocol(self) -> dict[str, Any]:
+        """The protocol as data (stored in meta.json and hashed into the result key)."""
+        return {
+            "task": self.name,
+            "version": self.version,
+            "metric": self.metric,
+            "max_new_tokens": self.max_new_tokens,
+            "chat_template": self.chat_template,
+            "stop_strings": list(self.stop_strings),
+            "truncate_to": self.truncate_to,
+        }
+
+    def validate(self) -> None:
+        """Check fields (and that data files exist) before any model loads; raise ConfigError/DataError."""
