@@ -1,0 +1,86 @@
+"""The attention functions kvbench registers with transformers (``AttentionInterface``, a public registry).
+
+For each backend ``impl`` in (sdpa, eager, flash_attention_2) kvbench registers ``kvbench_<impl>`` together with
+the backend's own mask function (without it a custom key receives ``attention_mask=None`` and loses the causal
+mask: reference/environment.md, pitfall 1). Outside a ``CompressionSession`` it behaves exactly like the backend.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+if TYPE_CHECKING:
+    from kvbench.engine.session import CompressionSession
+
+ACTIVE_SESSION: ContextVar[CompressionSession | None] = ContextVar("kvbench_session", default=None)
+BACKENDS = ("sdpa", "eager", "flash_attention_2")
+
+
+def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Plain softmax attention (the transformers eager path), GQA by viewing queries per KV group."""
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    scaling = scaling if scaling is not None else d**-0.5
+    qg = query.view(b, hkv, hq // hkv, q, d)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, key) * scaling
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask.view(mask.shape[0], 1, -1, q, mask.shape[-1]), float("-inf"))
+        else:
+            logits = logits + mask.view(mask.shape[0], 1, -1, q, mask.shape[-1])
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, value).reshape(b, hq, q, d)
+    return out.transpose(1, 2).contiguous(), probs.reshape(b, hq, q, -1)
+
+
+def backend_function(impl: str):
+    if impl == "eager":
+        return eager_attention
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _make(impl: str):
+    def kvbench_attention(module, query, key, value, attention_mask, **kwargs):
+        session = ACTIVE_SESSION.get()
+        if session is None:
+            return backend_function(impl)(module, query, key, value, attention_mask, **kwargs)
+        return session.attend(impl, module, query, key, value, attention_mask, **kwargs)
+
+    kvbench_attention.__name__ = f"kvbench_{impl}"
+    return kvbench_attention
+
+
+def register_backends() -> None:
+    """Register ``kvbench_<impl>`` attention + mask functions (idempotent)."""
+    for impl in BACKENDS:
+        name = f"kvbench_{impl}"
+        if name in ALL_ATTENTION_FUNCTIONS:
+            continue
+        AttentionInterface.register(name, _make(impl))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+
+
+def grouped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``(B, Hq, q, D)`` over a layer's entries ``(B, Hkv, T, D)`` without repeating KV.
+
+    allowed: ``(B, Hkv, q, T)`` bool or None. Returns the output ``(B, q, Hq, D)`` and the probabilities
+    ``(B, Hkv, g, q, T)`` (float32).
+    """
+    b, hq, q, d = query.shape
+    hkv = keys.shape[1]
+    qg = query.view(b, hkv, hq // hkv, q, d)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * scaling
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, d)
+    return out.transpose(1, 2).contiguous(), probs

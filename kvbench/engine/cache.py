@@ -1,0 +1,167 @@
+"""A cache layer that really shrinks: per-entry positions, validity and method state travel with the keys.
+
+``KVLayer`` subclasses transformers' ``DynamicLayer`` (a public extension point) and stores, per layer:
+
+* ``keys``/``values``: ``(batch, heads, entries, head_dim)`` with ``heads`` = the model's KV heads (GQA-native);
+* ``positions``: ``(batch, heads, entries)`` int64, the original token position of each entry (post-RoPE keys keep
+  their original rotation, so this is what the key "is");
+* ``valid``: ``(batch, heads, entries)`` bool, or None when every entry is valid. False marks left padding and the
+  empty slots of rows that keep fewer entries than others; such entries are never attended;
+* ``state``: per-entry method state, e.g. H2O's accumulated attention ``(batch, heads, entries)``, gathered and
+  evicted together with the keys.
+
+``get_seq_length`` reports the *logical* number of tokens seen (as ``DynamicSlidingWindowLayer`` does), which is
+what ``generate`` needs to slice inputs and number positions; the physical length is ``num_entries``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class KVLayer(DynamicLayer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = 0
+        self.positions: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.rope_pos: torch.Tensor | None = None  # position each key is currently rotated to (compact mode only)
+        self.capacity: torch.Tensor | None = None  # (batch,) tokens per layer the budget allows each row
+
+    # ---- transformers' layer API -------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            bsz, heads = key_states.shape[:2]
+            self.positions = torch.empty(bsz, heads, 0, dtype=torch.long, device=key_states.device)
+        q = key_states.shape[-2]
+        new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device)
+        self.positions = torch.cat([self.positions, new_pos.expand(*key_states.shape[:2], q)], dim=-1)
+        if self.valid is not None:
+            self.valid = torch.cat([self.valid, self.valid.new_ones(*key_states.shape[:2], q)], dim=-1)
+        for name, tensor in self.state.items():
+            self.state[name] = torch.cat([tensor, tensor.new_zeros(*tensor.shape[:2], q)], dim=-1)
+        if self.rope_pos is not None:
+            self.rope_pos = torch.cat([self.rope_pos, new_pos.float().expand(*key_states.shape[:2], q)], dim=-1)
+        self.seen += q
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The model-level mask is built for logical positions; kvbench's attention ignores it after compression.
+        return self.seen + query_length, 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen = 0
+        self.positions = None
+        self.valid = None
+        self.state = {}
+        self.rope_pos = None
+        self.capacity = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("kvbench compressed caches cannot be cropped (assisted decoding is unsupported)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.positions = self.positions[indices]
+        if self.valid is not None:
+            self.valid = self.valid[indices]
+        self.state = {k: v[indices] for k, v in self.state.items()}
+        if self.rope_pos is not None:
+            self.rope_pos = self.rope_pos[indices]
+        if self.capacity is not None:
+            self.capacity = self.capacity[indices]
+
+    # ---- kvbench API ---------------------------------------------------------------------------------------------
+    @property
+    def num_entries(self) -> int:
+        return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
+
+    def resident_bytes(self) -> int:
+        """Bytes of K and V actually held by this layer."""
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def valid_counts(self) -> torch.Tensor:
+        """Valid entries per (batch, head): ``(batch, heads)``."""
+        if self.valid is None:
+            return torch.full(self.keys.shape[:2], self.num_entries, dtype=torch.long, device=self.keys.device)
+        return self.valid.sum(-1)
+
+    def set_valid(self, valid: torch.Tensor | None) -> None:
+        """Set validity of all entries; a mask with no False is stored as None (the fast path)."""
+        self.valid = None if valid is None or bool(valid.all()) else valid
+
+    def gather(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None) -> None:
+        """Keep only entries ``index`` ``(batch, heads, k)`` (sorted by position), dropping everything else.
+
+        ``keep_valid`` ``(batch, heads, k)`` marks gathered slots that are empty (rows keeping fewer than k).
+        The evicted tensors are freed: the new tensors are fresh copies of the kept rows.
+        """
+        order = torch.argsort(torch.gather(self.positions, -1, index), dim=-1)
+        index = torch.gather(index, -1, order)
+        if keep_valid is not None:
+            keep_valid = torch.gather(keep_valid, -1, order)
+        d = self.keys.shape[-1]
+        idx4 = index.unsqueeze(-1).expand(*index.shape, d)
+        self.keys = torch.gather(self.keys, 2, idx4)
+        self.values = torch.gather(self.values, 2, idx4)
+        self.positions = torch.gather(self.positions, -1, index)
+        valid = torch.gather(self.valid, -1, index) if self.valid is not None else None
+        if keep_valid is not None:
+            valid = keep_valid if valid is None else valid & keep_valid
+        self.set_valid(valid)
+        self.state = {k: torch.gather(v, -1, index) for k, v in self.state.items()}
+        if self.rope_pos is not None:
+            self.rope_pos = torch.gather(self.rope_pos, -1, index)
+
+    def evict_one(self, index: torch.Tensor) -> None:
+        """Evict one entry per (batch, head): ``index`` ``(batch, heads)``."""
+        n = self.num_entries
+        keep = torch.ones(*index.shape, n, dtype=torch.bool, device=index.device)
+        keep.scatter_(-1, index.unsqueeze(-1), False)
+        b, h = index.shape
+        d = self.keys.shape[-1]
+        self.keys = self.keys[keep].view(b, h, n - 1, d)
+        self.values = self.values[keep].view(b, h, n - 1, d)
+        self.positions = self.positions[keep].view(b, h, n - 1)
+        if self.valid is not None:
+            self.set_valid(self.valid[keep].view(b, h, n - 1))
+        self.state = {k: v[keep].view(b, h, n - 1) for k, v in self.state.items()}
+        if self.rope_pos is not None:
+            self.rope_pos = self.rope_pos[keep].view(b, h, n - 1)
+
+
+class KVCache(Cache):
+    """A transformers ``Cache`` whose layers are ``KVLayer``s (created lazily, one per decoder layer)."""
+
+    def __init__(self) -> None:
+        super().__init__(layer_class_to_replicate=KVLayer)
+
+    def resident_bytes(self) -> int:
+        return sum(layer.resident_bytes() for layer in self.layers if isinstance(layer, KVLayer))
+
+
+def ensure_kv_layer(cache: Cache, layer_idx: int) -> KVLayer:
+    """Make ``cache.layers[layer_idx]`` a KVLayer (converting an empty or filled stock DynamicLayer in place)."""
+    while len(cache.layers) <= layer_idx:
+        cache.layers.append(KVLayer())
+    layer = cache.layers[layer_idx]
+    if isinstance(layer, KVLayer):
+        return layer
+    if type(layer) is not DynamicLayer:
+        raise TypeError(f"kvbench cannot compress a {type(layer).__name__} cache layer; use a DynamicCache or KVCache")
+    new = KVLayer()
+    if layer.is_initialized and layer.keys is not None and layer.keys.numel():
+        new.update(layer.keys, layer.values)
+    cache.layers[layer_idx] = new
+    return new

@@ -1,0 +1,108 @@
+"""Attention statistics that methods score tokens with, computed without n x n matrices.
+
+Shapes: queries ``(batch, q_heads, n, head_dim)``, keys ``(batch, kv_heads, n, head_dim)`` (GQA-native: keys are
+never repeated; queries are viewed as ``(batch, kv_heads, group, n, head_dim)`` instead).
+``key_valid`` ``(batch, n)`` is False at left padding; those keys get zero attention and their query rows are
+ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``(B, Hq, n, D)`` -> ``(B, Hkv, g, n, D)`` (query heads of one KV group side by side)."""
+    b, hq, n, d = queries.shape
+    return queries.view(b, num_kv_heads, hq // num_kv_heads, n, d)
+
+
+def aggregate_group(x: torch.Tensor, num_kv_heads: int, how: str = "mean") -> torch.Tensor:
+    """Per-query-head statistics ``(B, Hq, ...)`` -> per-KV-head ``(B, Hkv, ...)`` by mean or max over the group."""
+    b, hq = x.shape[:2]
+    x = x.view(b, num_kv_heads, hq // num_kv_heads, *x.shape[2:])
+    if how == "mean":
+        return x.mean(2)
+    if how == "max":
+        return x.amax(2)
+    if how == "sum":
+        return x.sum(2)
+    raise ValueError(f"unknown group aggregation {how!r}; valid: mean, max, sum")
+
+
+def _masked_probs(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, key_valid: torch.Tensor | None):
+    """Softmax over keys with the causal mask (key position <= query position) and padding mask."""
+    allowed = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # (q, n)
+    allowed = allowed.view(1, 1, 1, *allowed.shape)
+    if key_valid is not None:
+        allowed = allowed & key_valid.view(key_valid.shape[0], 1, 1, 1, -1)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)  # fully masked rows (padding queries) -> 0
+
+
+def window_attention(
+    queries: torch.Tensor, keys: torch.Tensor, window: int, scaling: float, key_valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention of the last ``window`` queries over all keys, causal inside the window (SnapKV's observation).
+
+    Returns probabilities ``(B, Hq, window, n)`` in float32.
+    """
+    n = keys.shape[-2]
+    num_kv = keys.shape[1]
+    q = grouped(queries[..., n - window :, :], num_kv)  # (B, Hkv, g, w, D)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", q, keys) * scaling
+    pos = torch.arange(n, device=keys.device)
+    probs = _masked_probs(logits, pos[n - window :], pos, key_valid)
+    b, h, g, w, _ = probs.shape
+    return probs.reshape(b, h * g, w, n)
+
+
+def column_sums(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    key_valid: torch.Tensor | None = None,
+    chunk: int = 512,
+    query_start: int = 0,
+) -> torch.Tensor:
+    """H2O's accumulated attention ``s[j] = sum_{i >= j} A[i, j]`` per query head, in query chunks.
+
+    Only queries ``i >= query_start`` contribute. A chunk of queries ``[start, stop)`` only needs keys
+    ``[0, stop)``; memory is ``O(chunk * n)`` per head instead of ``O(n^2)``. Returns ``(B, Hq, n)`` float32.
+    """
+    b, hq, n, _ = queries.shape
+    num_kv = keys.shape[1]
+    total = torch.zeros(b, num_kv, hq // num_kv, n, dtype=torch.float32, device=keys.device)
+    qg = grouped(queries, num_kv)
+    for start in range(query_start, n, chunk):
+        stop = min(n, start + chunk)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[..., start:stop, :], keys[:, :, :stop]).float()
+        logits.mul_(scaling)
+        # causal mask: only the chunk's own diagonal block has keys after some of its queries
+        q_idx = torch.arange(start, stop, device=keys.device).view(-1, 1)
+        k_idx = torch.arange(start, stop, device=keys.device).view(1, -1)
+        logits[..., start:stop].masked_fill_(k_idx > q_idx, float("-inf"))
+        if key_valid is not None:
+            logits.masked_fill_(~key_valid[:, :stop].view(b, 1, 1, 1, stop), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if key_valid is not None:  # padded query rows are all -inf (NaN after softmax): they contribute nothing
+            probs = torch.nan_to_num_(probs, nan=0.0) * key_valid[:, start:stop].view(b, 1, 1, -1, 1)
+        total[..., :stop] += probs.sum(-2)
+    return total.view(b, hq, n)
+
+
+def pool1d(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+    """SnapKV's clustering: 1-D pooling over positions, stride 1, padding kernel//2 (same length)."""
+    if kernel <= 1:
+        return scores
+    shape = scores.shape
+    flat = scores.reshape(-1, 1, shape[-1])
+    if kind == "max":
+        out = F.max_pool1d(flat, kernel_size=kernel, padding=kernel // 2, stride=1)
+    elif kind == "avg":
+        out = F.avg_pool1d(flat, kernel_size=kernel, padding=kernel // 2, stride=1)
+    else:
+        raise ValueError(f"unknown pooling {kind!r}; valid: max, avg")
+    return out.reshape(shape)

@@ -1,0 +1,215 @@
+"""``CompressionSession``: plugs a method into a transformers model through public extension points only.
+
+    with CompressionSession(model, method, budget) as session:
+        out = model.generate(**inputs)            # or kvbench.engine.generate.greedy_generate(...)
+    session.stats                                 # resident KV bytes, per-layer entries, attended tokens
+
+While active, the model's attention implementation is ``kvbench_<impl>`` (registered via ``AttentionInterface``),
+and a forward pre-hook on every attention module converts the layer's cache into a ``KVLayer`` (works with the
+``DynamicCache`` that ``generate`` creates, or with a ``KVCache`` passed in). On exit the model is restored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.budget import Budget
+from kvbench.engine.attention import ACTIVE_SESSION, backend_function, grouped_attention, register_backends
+from kvbench.engine.cache import KVLayer, ensure_kv_layer
+from kvbench.errors import ConfigError
+from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_rank
+
+POSITION_MODES = ("original", "compact")
+_ROTATABLE_ROPE = ("default", "linear", "llama3")
+
+
+@dataclass
+class SessionStats:
+    """Per generation call (reset at every new prefill)."""
+
+    prompt_lens: list[int] = field(default_factory=list)
+    layer_entries_after_prefill: list[int] = field(default_factory=list)  # valid entries per layer (row 0, head 0)
+    resident_kv_bytes_after_prefill: int = 0
+    attended_entries_sum: int = 0  # sum over decode steps and layers of mean attended entries per (row, head)
+    decode_layer_calls: int = 0
+
+    @property
+    def attended_tokens_mean(self) -> float:
+        """Mean number of entries a (layer, head) attended at a decode step."""
+        return self.attended_entries_sum / self.decode_layer_calls if self.decode_layer_calls else 0.0
+
+
+class CompressionSession:
+    def __init__(self, model, method: Method, budget: Budget, position_mode: str = "original"):
+        if position_mode not in POSITION_MODES:
+            raise ConfigError(f"position_mode={position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
+        self.model = model
+        self.method = method
+        self.budget = budget
+        self.position_mode = position_mode
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.stats = SessionStats()
+        self._layers: dict[int, KVLayer | None] = {}
+        self._hooks: list = []
+        self._token = None
+        self._inv_freq = self._rope_inv_freq() if position_mode == "compact" else None
+
+    # ---- context management ----------------------------------------------------------------------------------
+    def __enter__(self) -> CompressionSession:
+        register_backends()
+        self._orig_impl = self.model.config._attn_implementation
+        base = self._orig_impl.removeprefix("kvbench_")
+        if base not in ("sdpa", "eager", "flash_attention_2"):
+            raise ConfigError(f"attention implementation {base!r} is not supported; valid: sdpa, eager, flash_attention_2")
+        self.model.set_attn_implementation(f"kvbench_{base}")
+        for module in self.model.modules():
+            if hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention"):
+                self._hooks.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        self._token = ACTIVE_SESSION.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        ACTIVE_SESSION.reset(self._token)
+        self.model.set_attn_implementation(self._orig_impl)
+
+    def _pre_hook(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        self._layers[module.layer_idx] = None if cache is None else ensure_kv_layer(cache, module.layer_idx)
+        return None
+
+    # ---- the attention call ------------------------------------------------------------------------------------
+    def attend(self, impl, module, query, key, value, attention_mask, **kwargs):
+        layer = self._layers.get(module.layer_idx)
+        backend = backend_function(impl)
+        if layer is None:  # use_cache=False: nothing to compress
+            return backend(module, query, key, value, attention_mask, **kwargs)
+        q_len = query.shape[2]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None:
+            pos = position_ids.view(position_ids.shape[0], 1, -1)[..., -q_len:]
+            layer.positions[..., -q_len:] = pos.expand(layer.positions.shape[0], layer.positions.shape[1], q_len)
+            if layer.rope_pos is not None:
+                layer.rope_pos[..., -q_len:] = layer.positions[..., -q_len:].float()
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        if layer.seen == q_len:
+            return self._prefill(backend, module, layer, query, key, value, attention_mask, scaling, kwargs)
+        return self._decode(backend, module, layer, query, attention_mask, scaling, kwargs)
+
+    def _prefill(self, backend, module, layer, query, key, value, attention_mask, scaling, kwargs):
+        out, _ = backend(module, query, key, value, attention_mask, **kwargs)
+        b, n = query.shape[0], query.shape[2]
+        key_valid = _key_valid(attention_mask, n)
+        if key_valid is not None:
+            layer.set_valid(key_valid.view(b, 1, n).expand(b, layer.keys.shape[1], n).clone())
+        prompt_lens = key_valid.sum(-1) if key_valid is not None else torch.full((b,), n, device=query.device)
+        capacity = torch.tensor([self.budget.tokens_for(int(x)) for x in prompt_lens], device=query.device)
+        if module.layer_idx == 0:
+            self.stats = SessionStats(prompt_lens=[int(x) for x in prompt_lens])
+        if not self.budget.is_full:
+            ctx = PrefillContext(
+                layer_idx=module.layer_idx, num_layers=self.num_layers, num_heads=self.num_heads,
+                num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
+                prompt_lens=prompt_lens, capacity=capacity,
+            )
+            self.method.prefill(layer, ctx)
+            self._rerotate(layer)
+        layer.capacity = capacity
+        self.stats.layer_entries_after_prefill.append(int(layer.valid_counts()[0, 0]))
+        self.stats.resident_kv_bytes_after_prefill += layer.resident_bytes()
+        return out, None
+
+    def _decode(self, backend, module, layer, query, attention_mask, scaling, kwargs):
+        q_len = query.shape[2]
+        capacity = layer.capacity
+        ctx = DecodeContext(
+            layer_idx=module.layer_idx, num_layers=self.num_layers, num_kv_heads=layer.keys.shape[1],
+            query=query, probs=None, capacity=capacity,
+        )
+        if self.position_mode == "compact":
+            self._rerotate(layer)
+        selected = self.method.select(layer, ctx)
+        keys, values, valid = layer.keys, layer.values, layer.valid
+        if selected is not None:
+            idx4 = selected.unsqueeze(-1).expand(*selected.shape, keys.shape[-1])
+            keys, values = torch.gather(keys, 2, idx4), torch.gather(values, 2, idx4)
+            valid = torch.gather(valid, -1, selected) if valid is not None else None
+        fast = not self.method.needs_decode_probs and valid is None and q_len == 1
+        if fast:  # numerically the backend's own decode path (FullKV == plain generate)
+            out, _ = backend(module, query, keys, values, None, **kwargs)
+        else:
+            allowed = _decode_allowed(valid, keys.shape[:2], keys.shape[2], q_len, query.device)
+            out, probs = grouped_attention(query, keys, values, allowed, scaling)
+            ctx.probs = probs
+        self.stats.attended_entries_sum += int(valid.sum() // valid[..., 0].numel()) if valid is not None else keys.shape[2]
+        self.stats.decode_layer_calls += 1
+        self.method.decode(layer, ctx)
+        return out, None
+
+    # ---- compact positions (StreamingLLM's in-cache positions) -------------------------------------------------
+    def _rope_inv_freq(self) -> torch.Tensor:
+        params = getattr(self.model.config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in _ROTATABLE_ROPE:
+            raise ConfigError(
+                f"position_mode=compact needs a position-independent RoPE; rope_type={rope_type!r} is not one of "
+                f"{', '.join(_ROTATABLE_ROPE)}"
+            )
+        for module in self.model.modules():
+            if hasattr(module, "inv_freq") and float(getattr(module, "attention_scaling", 1.0)) == 1.0:
+                return module.inv_freq.detach().float()
+        raise ConfigError("position_mode=compact: the model has no rotary embedding with attention_scaling 1")
+
+    def _rerotate(self, layer: KVLayer) -> None:
+        """Re-rotate keys so that relative distances equal those of a cache whose entries sit at 0..count-1."""
+        if self.position_mode != "compact":
+            return
+        rope_pos = layer.rope_pos if layer.rope_pos is not None else layer.positions.float()
+
+        rank = real_rank(layer).float()
+        counts = layer.valid_counts().unsqueeze(-1).float()
+        latest = layer.positions.amax(-1, keepdim=True).float()
+        target = torch.where(rank >= 0, latest - counts + 1 + rank, rope_pos)
+        delta = target - rope_pos
+        if bool((delta != 0).any()):
+            layer.keys = _rotate(layer.keys, delta, self._inv_freq.to(layer.keys.device))
+        layer.rope_pos = target
+
+
+def _rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate post-RoPE keys by ``delta`` positions (RoPE rotations compose additively)."""
+    angles = delta.unsqueeze(-1) * inv_freq  # (B, H, T, D/2)
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(keys.dtype), emb.sin().to(keys.dtype)
+    half = keys.shape[-1] // 2
+    rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
+    return keys * cos + rotated_half * sin
+
+
+def _key_valid(attention_mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """Per-key validity ``(B, n)`` from the model's 4-D prefill mask (the last query row sees every real key)."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    row = attention_mask[:, 0, -1, :n]
+    valid = row if row.dtype == torch.bool else row == 0
+    return None if bool(valid.all()) else valid
+
+
+def _decode_allowed(valid, bh, entries, q_len, device) -> torch.Tensor | None:
+    """Mask ``(B, H, q, T)`` for decode/continuation: valid entries, causal among the ``q_len`` newest."""
+    allowed = None
+    if q_len > 1:
+        i = torch.arange(q_len, device=device).view(-1, 1)
+        j = torch.arange(entries, device=device).view(1, -1)
+        allowed = (j <= entries - q_len + i).view(1, 1, q_len, entries).expand(*bh, q_len, entries)
+    if valid is not None:
+        v = valid.unsqueeze(2)
+        allowed = v.expand(*bh, q_len, entries) if allowed is None else allowed & v
+    return allowed

@@ -1,0 +1,150 @@
+"""The method contract.
+
+A method is a small dataclass whose fields are its hyperparameters (paper defaults). The engine calls it at up to
+three points, always for one layer at a time and never with a model class in sight:
+
+* ``prefill(layer, ctx)`` once per layer at the end of the prompt forward pass (select / evict / merge /
+  allocate), after the layer's attention output was computed with the full prompt;
+* ``decode(layer, ctx)`` after every decode step's attention (H2O/D2O eviction, merging);
+* ``select(layer, ctx)`` before a decode step's attention, to restrict what is *attended* without evicting
+  (OmniKV, Quest): returns entry indices or None.
+
+Methods change the cache only through ``KVLayer.gather`` / ``KVLayer.evict_one`` (real eviction) or by assigning
+new tensors (merging), so resident memory is what the method keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbench.budget import Budget
+from kvbench.engine.cache import KVLayer
+from kvbench.errors import ConfigError
+
+
+@dataclass
+class PrefillContext:
+    """What a method sees for one layer at the end of prefill.
+
+    queries: ``(B, Hq, n, D)`` post-RoPE queries of the prompt.
+    key_valid: ``(B, n)`` False at left padding, or None.
+    prompt_lens: ``(B,)`` real prompt length per row (n minus padding).
+    capacity: ``(B,)`` tokens per layer the budget allows for each row (average over layers).
+    """
+
+    layer_idx: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    scaling: float
+    queries: torch.Tensor
+    key_valid: torch.Tensor | None
+    prompt_lens: torch.Tensor
+    capacity: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return self.queries.shape[-2]
+
+
+@dataclass
+class DecodeContext:
+    """What a method sees for one layer after a decode step.
+
+    query: ``(B, Hq, q, D)``; probs: ``(B, Hkv, g, q, entries)`` attention probabilities over the layer's entries
+    (only when the method sets ``needs_decode_probs``; else None); capacity: as in PrefillContext.
+    """
+
+    layer_idx: int
+    num_layers: int
+    num_kv_heads: int
+    query: torch.Tensor
+    probs: torch.Tensor | None
+    capacity: torch.Tensor
+
+
+@dataclass
+class Method:
+    """Base class; on its own it is FullKV (keeps everything)."""
+
+    name: ClassVar[str] = "base"
+    #: prefill-only methods never evict during decoding; generated tokens are appended
+    needs_decode_probs: ClassVar[bool] = False
+    #: a method whose paper defines it per sequence sets this to refuse batch > 1
+    supports_batching: ClassVar[bool] = True
+
+    def validate(self, budget: Budget) -> None:
+        """Reject a budget or hyperparameters before any model loads (raise ConfigError naming the value)."""
+        if budget.kind == "tokens" and budget.value < self.min_budget_tokens():
+            raise ConfigError(
+                f"budget={budget.label()} is below the minimum {self.min_budget_tokens()} tokens per layer of "
+                f"method {self.name!r} ({self.min_budget_reason()})"
+            )
+
+    def min_budget_tokens(self) -> int:
+        return 1
+
+    def min_budget_reason(self) -> str:
+        return "at least one token"
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        """Compress ``layer`` at the end of prefill (default: keep everything)."""
+
+    def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
+        """Act after a decode step (default: nothing; the new token stays)."""
+
+    def select(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
+        """Entries to attend at this decode step ``(B, H, k)``, or None for all."""
+        return None
+
+    def describe(self) -> dict:
+        """Hyperparameters as data (stored in meta.json)."""
+        from dataclasses import asdict
+
+        return {"name": self.name, **asdict(self)}
+
+
+def check_positive(method: str, **fields: int | float) -> None:
+    for key, value in fields.items():
+        if value is None or value <= 0:
+            raise ConfigError(f"method {method!r}: {key}={value!r} must be > 0")
+
+
+def check_choice(method: str, key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"method {method!r}: {key}={value!r} is not valid; valid: {', '.join(choices)}")
+
+
+def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor) -> None:
+    """Keep, per (row, head), the ``keep[row]`` entries with the highest ``scores``; evict the rest.
+
+    scores: ``(B, H, entries)``; entries that must stay get ``+inf``, entries that must go (padding) ``-inf``.
+    keep: ``(B,)`` number of entries per row. Rows keeping fewer than the maximum get empty (invalid) slots.
+    Nothing happens when every row already fits.
+    """
+    counts = layer.valid_counts()
+    if bool((counts <= keep.view(-1, 1)).all()):
+        return
+    if layer.valid is not None:
+        scores = scores.masked_fill(~layer.valid, float("-inf"))
+    k = int(keep.max())
+    index = torch.topk(scores, k, dim=-1, sorted=True).indices
+    slots = torch.arange(k, device=scores.device).view(1, 1, k)
+    keep_valid = slots < keep.view(-1, 1, 1)
+    chosen = torch.gather(scores, -1, index)
+    keep_valid = keep_valid & (chosen > float("-inf"))
+    layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
+
+
+def real_rank(layer: KVLayer) -> torch.Tensor:
+    """Rank of each entry among the valid entries of its (row, head) in position order: ``(B, H, entries)``."""
+    valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+    order = torch.argsort(layer.positions, dim=-1)
+    sorted_valid = torch.gather(valid, -1, order).long()
+    ranks_sorted = sorted_valid.cumsum(-1) - 1
+    rank = torch.empty_like(ranks_sorted)
+    rank.scatter_(-1, order, ranks_sorted)
+    return rank.masked_fill(~valid, -1)

@@ -1,0 +1,99 @@
+"""H2O: heavy hitters (largest accumulated attention) + recent tokens.
+
+Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
+(NeurIPS 2023, arXiv:2306.14048), code FMInference/H2O (``utils_real_drop``). reference/methods.md B3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbench.engine.cache import KVLayer
+from kvbench.engine.scores import aggregate_group, column_sums
+from kvbench.methods.base import (
+    DecodeContext,
+    Method,
+    PrefillContext,
+    check_choice,
+    check_positive,
+    keep_top,
+    real_rank,
+)
+
+VARIANTS = ("paper", "prefill_only")
+GROUP_AGG = ("mean", "max")
+
+
+@dataclass
+class H2O(Method):
+    """Accumulated-attention eviction, per layer and KV head.
+
+    ``paper`` (default; decode-time, as the H2O paper and its real-drop code): at the end of prefill each token's
+    score is its column sum of prompt attention ``acc[j] = sum_i A[i, j]``; keep the top
+    ``budget - recent`` by score from the non-recent part plus the ``recent`` newest tokens, with
+    ``recent = round(recent_ratio * budget)`` (50/50 as the papers that compare against H2O use). At every decode
+    step the new query's attention row is added to ``acc`` (the new token starts with its own weight) and, once the
+    cache exceeds the budget, the non-recent entry with the lowest ``acc`` is evicted, so the cache stays at
+    ``budget`` entries.
+
+    ``prefill_only``: KVCache-Factory's reading (DynamicKV Table 1, D2O Table 21): scores are the column sums over
+    all prompt queries, keep the top ``budget - window`` plus the last ``window`` (32) tokens, no decode eviction.
+
+    GQA: per-query-head scores are averaged over each KV group (``group_agg="mean"`` as KVMerger's H2O; OmniKV's
+    port uses ``max``). Column sums are computed in query chunks (``chunk``), never as an n x n matrix.
+    """
+
+    name: ClassVar[str] = "h2o"
+    needs_decode_probs: ClassVar[bool] = True
+    recent_ratio: float = 0.5
+    window: int = 32
+    variant: str = "paper"
+    group_agg: str = "mean"
+    chunk: int = 512
+
+    def __post_init__(self) -> None:
+        check_positive(self.name, window=self.window, chunk=self.chunk)
+        check_choice(self.name, "variant", self.variant, VARIANTS)
+        check_choice(self.name, "group_agg", self.group_agg, GROUP_AGG)
+        if not 0 < self.recent_ratio < 1:
+            from kvbench.errors import ConfigError
+
+            raise ConfigError(f"method 'h2o': recent_ratio={self.recent_ratio} must be in (0, 1)")
+        # the prefill-only reading never looks at decode attention, so it keeps the fast decode path
+        self.needs_decode_probs = self.variant == "paper"
+
+    def min_budget_tokens(self) -> int:
+        return self.window + 1 if self.variant == "prefill_only" else 2
+
+    def min_budget_reason(self) -> str:
+        if self.variant == "prefill_only":
+            return f"the window of {self.window} recent tokens is part of the budget"
+        return "one heavy hitter and one recent token"
+
+    def _recent(self, capacity: torch.Tensor) -> torch.Tensor:
+        if self.variant == "prefill_only":
+            return torch.full_like(capacity, self.window)
+        return torch.clamp(torch.round(capacity * self.recent_ratio).long(), 1, None).clamp(max=capacity - 1)
+
+    def _scores(self, layer: KVLayer, acc: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+        rank = real_rank(layer)
+        recent = (rank >= layer.valid_counts().unsqueeze(-1) - self._recent(capacity).view(-1, 1, 1)) & (rank >= 0)
+        return acc.masked_fill(recent, float("inf"))
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        sums = column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=self.chunk)  # (B, Hq, n)
+        acc = aggregate_group(sums, ctx.num_kv_heads, self.group_agg)
+        if self.variant == "paper":
+            layer.state["acc"] = acc
+        keep_top(layer, self._scores(layer, acc, ctx.capacity), ctx.capacity)
+
+    def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
+        if self.variant != "paper" or ctx.probs is None:
+            return
+        step = ctx.probs.sum(3)  # over the step's queries: (B, Hkv, g, entries)
+        step = step.mean(2) if self.group_agg == "mean" else step.amax(2)
+        layer.state["acc"] = layer.state["acc"] + step
+        keep_top(layer, self._scores(layer, layer.state["acc"], ctx.capacity), ctx.capacity)

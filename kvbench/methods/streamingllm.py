@@ -1,0 +1,68 @@
+"""StreamingLLM: attention sinks + a recent window.
+
+Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (ICLR 2024, arXiv:2309.17453),
+code mit-han-lab/streaming-llm. reference/methods.md B2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbench.engine.cache import KVLayer
+from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive, keep_top, real_rank
+
+VARIANTS = ("paper", "kvfactory")
+
+
+@dataclass
+class StreamingLLM(Method):
+    """Keep the first ``sink_size`` tokens and the most recent ones, ``budget`` tokens per layer and KV head.
+
+    Variants:
+      * ``paper`` (default): ``sink_size`` sinks + ``budget - sink_size`` recent tokens, and the middle is evicted
+        again at every decode step so the cache stays at ``budget`` (``evict_for_space``). The original code also
+        re-assigns positions inside the cache (pos-shift): run with ``position_mode=compact`` for that; the
+        default keeps original positions.
+      * ``kvfactory``: KVCache-Factory's prefill-only reading used by DynamicKV Table 1 / D2O Table 21: keep the
+        first ``budget - window`` tokens and the last ``window`` (32); generated tokens are appended, no eviction.
+
+    Shapes: scores are ``(batch, kv_heads, entries)``; no attention statistics are needed.
+    """
+
+    name: ClassVar[str] = "streamingllm"
+    sink_size: int = 4
+    window: int = 32
+    variant: str = "paper"
+
+    def __post_init__(self) -> None:
+        check_positive(self.name, sink_size=self.sink_size, window=self.window)
+        check_choice(self.name, "variant", self.variant, VARIANTS)
+
+    def min_budget_tokens(self) -> int:
+        return (self.sink_size if self.variant == "paper" else self.window) + 1
+
+    def min_budget_reason(self) -> str:
+        if self.variant == "paper":
+            return f"sink_size={self.sink_size} sinks + at least one recent token"
+        return f"window={self.window} recent tokens + at least one leading token"
+
+    def _keep_scores(self, layer: KVLayer, capacity: torch.Tensor) -> torch.Tensor:
+        """+inf for entries to keep, -inf for the rest (rank among the row's real tokens decides)."""
+        rank = real_rank(layer)
+        count = layer.valid_counts().unsqueeze(-1)
+        cap = capacity.view(-1, 1, 1)
+        head = self.sink_size if self.variant == "paper" else cap - self.window
+        recent = cap - head
+        keep = ((rank >= 0) & (rank < head)) | (rank >= count - recent)
+        return torch.where(keep, float("inf"), float("-inf"))
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)
+
+    def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
+        if self.variant != "paper":
+            return
+        keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)

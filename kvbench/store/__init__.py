@@ -1,0 +1,148 @@
+"""The result store: one directory per job, named by a hash of what produced it.
+
+    <results_dir>/runs/<model>/<task>/<method>/<budget>/<hash12>/
+        config.yaml     the resolved job config (the hashed part under ``key``)
+        meta.json       git sha, package versions, hardware, protocol, timings, memory
+        samples.jsonl   one record per finished sample, appended and fsynced as it finishes
+        scores.json     aggregate scores over the planned samples (written atomically, last)
+        .lock           held (flock) by the process running the job
+
+A killed job resumes after its last complete record; a torn last line is cut off before appending. A job whose
+``scores.json`` covers the planned sample ids is finished and skipped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KVBenchError
+
+
+class JobLockedError(KVBenchError):
+    """Another process holds the job's lock."""
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def config_hash(key: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of the job key (model, method, budget, task protocol, seed, generation)."""
+    return hashlib.sha256(canonical_json(key).encode()).hexdigest()
+
+
+def ids_digest(ids: Iterable[str]) -> str:
+    return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file in the same directory and rename: readers never see a partial file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _safe(part: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in str(part)) or "_"
+
+
+class JobDir:
+    """One job's directory. Use as a context manager to hold its lock while running."""
+
+    def __init__(self, results_dir: str | Path, parts: tuple[str, str, str, str], key: dict[str, Any]):
+        self.key = key
+        self.hash = config_hash(key)
+        self.path = Path(results_dir) / "runs" / Path(*(_safe(p) for p in parts)) / self.hash[:12]
+        self._lock_fh = None
+
+    @property
+    def samples_path(self) -> Path:
+        return self.path / "samples.jsonl"
+
+    @property
+    def scores_path(self) -> Path:
+        return self.path / "scores.json"
+
+    # ---- locking -------------------------------------------------------------------------------------------------
+    def __enter__(self) -> JobDir:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fh = open(self.path / ".lock", "a+")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_fh.close()
+            self._lock_fh = None
+            raise JobLockedError(f"job {self.path} is being run by another process; skipping it") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._lock_fh is not None:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+            self._lock_fh.close()
+            self._lock_fh = None
+
+    # ---- contents -----------------------------------------------------------------------------------------------
+    def write_config(self, text: str) -> None:
+        atomic_write_text(self.path / "config.yaml", text)
+
+    def write_meta(self, meta: dict[str, Any]) -> None:
+        atomic_write_text(self.path / "meta.json", json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+
+    def read_meta(self) -> dict[str, Any]:
+        path = self.path / "meta.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def read_scores(self) -> dict[str, Any] | None:
+        if not self.scores_path.exists():
+            return None
+        try:
+            return json.loads(self.scores_path.read_text())
+        except json.JSONDecodeError:
+            return None
+
+    def is_finished(self, planned_ids: list[str]) -> bool:
+        scores = self.read_scores()
+        return scores is not None and scores.get("sample_ids_digest") == ids_digest(planned_ids)
+
+    def read_records(self, repair: bool = False) -> list[dict[str, Any]]:
+        """Complete records in order. A torn last line (a kill mid-write) is dropped, and cut from the file when
+        ``repair`` (only done while holding the lock)."""
+        if not self.samples_path.exists():
+            return []
+        data = self.samples_path.read_bytes()
+        good_end = data.rfind(b"\n") + 1
+        records = []
+        for line in data[:good_end].splitlines():
+            if line.strip():
+                records.append(json.loads(line))
+        if repair and good_end < len(data):
+            with open(self.samples_path, "r+b") as fh:
+                fh.truncate(good_end)
+                fh.flush()
+                os.fsync(fh.fileno())
+        return records
+
+    def append_record(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+        with open(self.samples_path, "ab") as fh:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def write_scores(self, scores: dict[str, Any]) -> None:
+        atomic_write_text(self.scores_path, json.dumps(scores, indent=2, sort_keys=True, default=str) + "\n")

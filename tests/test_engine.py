@@ -1,0 +1,120 @@
+"""The engine: real eviction, resident bytes, equality with plain generate, padding, backends, positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.budget import Budget
+from kvbench.engine import CompressionSession, KVCache, greedy_generate
+from kvbench.engine.session import _rotate
+from kvbench.methods import build_method
+
+NEVER_EOS = [255]
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def _run(model, method, budget, prompts, new=12, **kw):
+    b = Budget.parse(budget)
+    with CompressionSession(model, build_method({"name": method}, b), b, **kw) as session:
+        out = greedy_generate(model, prompts, new, NEVER_EOS, 0)
+    return out, session.stats
+
+
+def test_fullkv_equals_plain_generate(toy_llama):
+    prompt = _prompt(120, 0)
+    ref = toy_llama.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 120:].tolist()
+    out, stats = _run(toy_llama, "fullkv", None, [prompt])
+    assert out.tokens[0] == ref
+    assert stats.layer_entries_after_prefill == [120, 120, 120]
+    assert out.resident_kv_bytes_final == 3 * 2 * 131 * 16 * 2 * 4  # 120 prompt + 11 generated tokens cached
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "streamingllm"])
+def test_compressed_cache_inside_model_generate_equals_engine_loop(toy_llama, method):
+    prompt = _prompt(150, 1)
+    b = Budget.parse(48)
+    m = build_method({"name": method}, b)
+    with CompressionSession(toy_llama, m, b):
+        hf = toy_llama.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, 150:].tolist()
+    with CompressionSession(toy_llama, m, b):
+        hf_kvcache = toy_llama.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                        past_key_values=KVCache())[0, 150:].tolist()
+    out, _ = _run(toy_llama, method, 48, [prompt], new=10)
+    assert out.tokens[0] == hf == hf_kvcache
+
+
+@pytest.mark.parametrize("method, budget", [("snapkv", 48), ("pyramidkv", 48), ("streamingllm", 48), ("h2o", 48),
+                                            ("h2o", 0.3)])
+def test_resident_bytes_equal_budget_bytes(toy_llama, method, budget):
+    out, stats = _run(toy_llama, method, budget, [_prompt(160, 2)])
+    per_token = 2 * 16 * 2 * 4  # kv heads x head_dim x (K and V) x fp32
+    expected_tokens = Budget.parse(budget).tokens_for(160)
+    assert stats.resident_kv_bytes_after_prefill == 3 * expected_tokens * per_token
+    if method in ("h2o", "streamingllm"):  # evict at every step: the cache stays at the budget
+        assert out.resident_kv_bytes_final == 3 * expected_tokens * per_token
+    if method == "pyramidkv":
+        assert stats.layer_entries_after_prefill[0] > stats.layer_entries_after_prefill[-1]
+
+
+@pytest.mark.parametrize("method", ["fullkv", "snapkv", "h2o", "streamingllm", "pyramidkv"])
+def test_left_padded_batch_equals_single_rows(toy_llama, method):
+    prompts = [_prompt(140, 3), _prompt(90, 4)]
+    batched, _ = _run(toy_llama, method, 40, prompts, new=8)
+    for row, prompt in enumerate(prompts):
+        single, _ = _run(toy_llama, method, 40, [prompt], new=8)
+        assert batched.tokens[row] == single.tokens[0], (method, row)
+
+
+def test_eager_backend_with_per_layer_lengths(toy_llama):
+    """PyramidKV gives every layer a different length; eager must still decode (reference/environment.md pitfall 2)."""
+    prompt = _prompt(200, 5)
+    sdpa, _ = _run(toy_llama, "pyramidkv", 48, [prompt])
+    toy_llama.set_attn_implementation("eager")
+    try:
+        eager, stats = _run(toy_llama, "pyramidkv", 48, [prompt])
+    finally:
+        toy_llama.set_attn_implementation("sdpa")
+    assert len(set(stats.layer_entries_after_prefill)) == 3
+    assert eager.tokens == sdpa.tokens
+    assert toy_llama.config._attn_implementation == "sdpa"  # the session restored the model
+
+
+def test_rotation_composes():
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 5, 16)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    a = torch.full((1, 2, 5), 3.0)
+    b = torch.full((1, 2, 5), -7.0)
+    assert torch.allclose(_rotate(_rotate(keys, a, inv_freq), b, inv_freq), _rotate(keys, a + b, inv_freq), atol=1e-5)
+    assert torch.allclose(_rotate(keys, torch.zeros(1, 2, 5), inv_freq), keys)
+
+
+def test_compact_positions_are_a_noop_without_eviction_and_differ_with_it(toy_llama):
+    prompt = _prompt(60, 6)
+    original, _ = _run(toy_llama, "fullkv", None, [prompt])
+    compact, _ = _run(toy_llama, "fullkv", None, [prompt], position_mode="compact")
+    assert compact.tokens == original.tokens
+    b = Budget.parse(24)
+    m = build_method({"name": "streamingllm"}, b)
+    with CompressionSession(toy_llama, m, b, position_mode="compact") as s:
+        cache = KVCache()
+        toy_llama(torch.tensor([_prompt(100, 7)]), past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    # kept entries are re-rotated so they sit contiguously just before the next query position (100)
+    assert layer.rope_pos[0, 0].tolist() == list(range(76, 100))
+    assert layer.positions[0, 0].tolist() == list(range(4)) + list(range(80, 100))
+    assert s.stats.layer_entries_after_prefill == [24, 24, 24]
+
+
+def test_session_without_cache_runs_full_attention(toy_llama):
+    b = Budget.parse(40)
+    ids = torch.tensor([_prompt(50, 8)])
+    ref = toy_llama(ids, use_cache=False).logits
+    with CompressionSession(toy_llama, build_method({"name": "snapkv"}, b), b):
+        out = toy_llama(ids, use_cache=False).logits
+    assert torch.allclose(out, ref)
