@@ -46,11 +46,9 @@ class Budget:
                 raise ConfigError(f"budget={raw} must be > 0: tokens per layer (e.g. 128) or a ratio in (0, 1)")
             if raw < 1:
                 return cls("ratio", float(raw))
-            if raw.is_integer():
-                return cls("tokens", int(raw))
             raise ConfigError(
-                f"budget={raw} is neither a ratio in (0, 1) nor a whole number of tokens per layer; "
-                "a ratio must be < 1 (e.g. 0.2)"
+                f"budget={raw} is a ratio >= 1; a ratio of the prompt length must be in (0, 1) (e.g. 0.2), "
+                "tokens per layer are written as an integer (e.g. 128)"
             )
         raise ConfigError(f"budget={raw!r} has type {type(raw).__name__}; use an int (tokens) or a float in (0, 1)")
 

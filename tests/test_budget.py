@@ -8,15 +8,15 @@ from kvbench.errors import ConfigError
 
 @pytest.mark.parametrize(
     "raw, kind, value, label",
-    [(128, "tokens", 128, "128"), ("64", "tokens", 64, "64"), (0.2, "ratio", 0.2, "0.2"), ("0.35", "ratio", 0.35, "0.35"),
-     (256.0, "tokens", 256, "256"), (None, "full", math.inf, "full")],
+    [(128, "tokens", 128, "128"), ("64", "tokens", 64, "64"), (0.2, "ratio", 0.2, "0.2"),
+     ("0.35", "ratio", 0.35, "0.35"), (None, "full", math.inf, "full")],
 )
 def test_parse(raw, kind, value, label):
     b = Budget.parse(raw)
     assert (b.kind, b.value, b.label()) == (kind, value, label)
 
 
-@pytest.mark.parametrize("raw", [0, -5, 0.0, -0.1, 1.5, "abc", True, [1]])
+@pytest.mark.parametrize("raw", [0, -5, 0.0, -0.1, 1.0, 1.5, 256.0, "abc", True, [1]])
 def test_bad_budgets_name_the_value(raw):
     with pytest.raises(ConfigError) as err:
         Budget.parse(raw)

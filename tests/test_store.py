@@ -58,6 +58,5 @@ def test_second_process_cannot_take_the_lock(tmp_path):
 
 
 def test_lock_in_same_process_is_exclusive(tmp_path):
-    with _job(tmp_path):
-        with pytest.raises(JobLockedError):
-            _job(tmp_path).__enter__()
+    with _job(tmp_path), pytest.raises(JobLockedError):
+        _job(tmp_path).__enter__()

@@ -1,7 +1,26 @@
-"""The only code that touches transformers internals: attention functions, cache layers, generation loop."""
+"""The only code that touches transformers internals: attention functions, cache layers, generation loop.
 
-from kvbench.engine.cache import KVCache, KVLayer
-from kvbench.engine.generate import GenerationOutput, greedy_generate
-from kvbench.engine.session import CompressionSession, SessionStats
+Names are imported lazily so that ``kvbench.methods`` (which the session imports) can use ``kvbench.engine.cache``
+without an import cycle.
+"""
 
-__all__ = ["KVCache", "KVLayer", "CompressionSession", "SessionStats", "greedy_generate", "GenerationOutput"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "KVCache": "kvbench.engine.cache",
+    "KVLayer": "kvbench.engine.cache",
+    "CompressionSession": "kvbench.engine.session",
+    "SessionStats": "kvbench.engine.session",
+    "greedy_generate": "kvbench.engine.generate",
+    "GenerationOutput": "kvbench.engine.generate",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvbench.engine' has no attribute {name!r}")

@@ -65,7 +65,9 @@ class CompressionSession:
         self._orig_impl = self.model.config._attn_implementation
         base = self._orig_impl.removeprefix("kvbench_")
         if base not in ("sdpa", "eager", "flash_attention_2"):
-            raise ConfigError(f"attention implementation {base!r} is not supported; valid: sdpa, eager, flash_attention_2")
+            raise ConfigError(
+                f"attention implementation {base!r} is not supported; valid: sdpa, eager, flash_attention_2"
+            )
         self.model.set_attn_implementation(f"kvbench_{base}")
         for module in self.model.modules():
             if hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention"):
@@ -83,7 +85,6 @@ class CompressionSession:
     def _pre_hook(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
         self._layers[module.layer_idx] = None if cache is None else ensure_kv_layer(cache, module.layer_idx)
-        return None
 
     # ---- the attention call ------------------------------------------------------------------------------------
     def attend(self, impl, module, query, key, value, attention_mask, **kwargs):
@@ -148,7 +149,8 @@ class CompressionSession:
             allowed = _decode_allowed(valid, keys.shape[:2], keys.shape[2], q_len, query.device)
             out, probs = grouped_attention(query, keys, values, allowed, scaling)
             ctx.probs = probs
-        self.stats.attended_entries_sum += int(valid.sum() // valid[..., 0].numel()) if valid is not None else keys.shape[2]
+        attended = int(valid.sum() // valid[..., 0].numel()) if valid is not None else keys.shape[2]
+        self.stats.attended_entries_sum += attended
         self.stats.decode_layer_calls += 1
         self.method.decode(layer, ctx)
         return out, None

@@ -41,4 +41,4 @@ def build_method(cfg: Any, budget: Budget) -> Method:
     return method
 
 
-__all__ = ["METHODS", "Method", "PrefillContext", "DecodeContext", "build_method"]
+__all__ = ["METHODS", "DecodeContext", "Method", "PrefillContext", "build_method"]

@@ -107,7 +107,7 @@ class Method:
         return {"name": self.name, **asdict(self)}
 
 
-def check_positive(method: str, **fields: int | float) -> None:
+def check_positive(method: str, **fields: float) -> None:
     for key, value in fields.items():
         if value is None or value <= 0:
             raise ConfigError(f"method {method!r}: {key}={value!r} must be > 0")

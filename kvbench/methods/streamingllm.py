@@ -12,7 +12,15 @@ from typing import ClassVar
 import torch
 
 from kvbench.engine.cache import KVLayer
-from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive, keep_top, real_rank
+from kvbench.methods.base import (
+    DecodeContext,
+    Method,
+    PrefillContext,
+    check_choice,
+    check_positive,
+    keep_top,
+    real_rank,
+)
 
 VARIANTS = ("paper", "kvfactory")
 

