@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvbench.engine.cache import KVLayer
@@ -44,3 +46,48 @@ def kept_positions(layer: KVLayer, row: int = 0) -> list[list[int]]:
             pos = pos[layer.valid[row, h]]
         out.append(sorted(int(p) for p in pos))
     return out
+
+
+def softmax_row(q_vec, keys, upto, d):
+    logits = torch.tensor([float(q_vec @ keys[j]) / math.sqrt(d) for j in range(upto + 1)], dtype=torch.float64)
+    return torch.softmax(logits, 0)
+
+
+def assert_same_up_to_ties(ours: list[int], ref: list[int], scores: dict[int, float], forced: set[int]):
+    """Sets must be equal, except entries whose score ties the selection threshold exactly."""
+    ours_s, ref_s = set(ours), set(ref)
+    if ours_s == ref_s:
+        return
+    chosen = [scores[i] for i in ref_s - forced]
+    threshold = min(chosen)
+    for i in ours_s ^ ref_s:
+        assert i not in forced and math.isclose(scores[i], threshold, rel_tol=1e-5, abs_tol=1e-7), (i, scores[i])
+
+
+def snapkv_reference(q, k, capacity, window, kernel, pooling):
+    """SnapKV paper procedure for one row, with Python loops: returns kept positions per KV head and the scores."""
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    g = hq // hkv
+    prefix = n - window
+    votes = [[0.0] * prefix for _ in range(hq)]
+    for h in range(hq):
+        for i in range(prefix, n):
+            p = softmax_row(q[h, i], k[h // g], i, d)
+            for j in range(prefix):
+                votes[h][j] += float(p[j])
+    r = kernel // 2
+    pooled = []
+    for h in range(hq):
+        row = []
+        for j in range(prefix):
+            neighbours = votes[h][max(0, j - r) : min(prefix, j + r + 1)]
+            row.append(max(neighbours) if pooling == "max" else sum(neighbours) / kernel)
+        pooled.append(row)
+    kept, all_scores = [], []
+    for kv in range(hkv):
+        agg = [sum(pooled[kv * g + x][j] for x in range(g)) / g for j in range(prefix)]
+        top = sorted(range(prefix), key=lambda j: -agg[j])[: capacity - window]
+        kept.append(sorted(top + list(range(prefix, n))))
+        all_scores.append({j: agg[j] for j in range(prefix)})
+    return kept, all_scores

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from helpers import decode_step, kept_positions, make_layer, prefill_ctx
+from helpers import (
+    assert_same_up_to_ties,
+    decode_step,
+    kept_positions,
+    make_layer,
+    prefill_ctx,
+    snapkv_reference,
+    softmax_row,
+)
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError
 from kvbench.methods import METHODS, build_method
@@ -25,52 +33,7 @@ def _qkv(n=96, hq=6, hkv=2, d=8, seed=0, b=1):
     return q, k, v
 
 
-def _softmax_row(q_vec, keys, upto, d):
-    logits = torch.tensor([float(q_vec @ keys[j]) / math.sqrt(d) for j in range(upto + 1)], dtype=torch.float64)
-    return torch.softmax(logits, 0)
-
-
-def _assert_same_up_to_ties(ours: list[int], ref: list[int], scores: dict[int, float], forced: set[int]):
-    """Sets must be equal, except entries whose score ties the selection threshold exactly."""
-    ours_s, ref_s = set(ours), set(ref)
-    if ours_s == ref_s:
-        return
-    chosen = [scores[i] for i in ref_s - forced]
-    threshold = min(chosen)
-    for i in ours_s ^ ref_s:
-        assert i not in forced and math.isclose(scores[i], threshold, rel_tol=1e-5, abs_tol=1e-7), (i, scores[i])
-
-
 # ---- SnapKV ----------------------------------------------------------------------------------------------------------
-def snapkv_reference(q, k, capacity, window, kernel, pooling):
-    """SnapKV paper procedure for one row, with Python loops: returns kept positions per KV head and the scores."""
-    hq, n, d = q.shape
-    hkv = k.shape[0]
-    g = hq // hkv
-    prefix = n - window
-    votes = [[0.0] * prefix for _ in range(hq)]
-    for h in range(hq):
-        for i in range(prefix, n):
-            p = _softmax_row(q[h, i], k[h // g], i, d)
-            for j in range(prefix):
-                votes[h][j] += float(p[j])
-    r = kernel // 2
-    pooled = []
-    for h in range(hq):
-        row = []
-        for j in range(prefix):
-            neighbours = votes[h][max(0, j - r) : min(prefix, j + r + 1)]
-            row.append(max(neighbours) if pooling == "max" else sum(neighbours) / kernel)
-        pooled.append(row)
-    kept, all_scores = [], []
-    for kv in range(hkv):
-        agg = [sum(pooled[kv * g + x][j] for x in range(g)) / g for j in range(prefix)]
-        top = sorted(range(prefix), key=lambda j: -agg[j])[: capacity - window]
-        kept.append(sorted(top + list(range(prefix, n))))
-        all_scores.append({j: agg[j] for j in range(prefix)})
-    return kept, all_scores
-
-
 @pytest.mark.parametrize("pooling, kernel, window, capacity", [("max", 5, 8, 24), ("avg", 5, 8, 30), ("max", 7, 4, 16)])
 def test_snapkv_matches_reference(pooling, kernel, window, capacity):
     q, k, v = _qkv(n=80)
@@ -80,7 +43,7 @@ def test_snapkv_matches_reference(pooling, kernel, window, capacity):
     ours = kept_positions(layer)
     for head in range(2):
         assert len(ours[head]) == capacity
-        _assert_same_up_to_ties(ours[head], ref[head], scores[head], set(range(80 - window, 80)))
+        assert_same_up_to_ties(ours[head], ref[head], scores[head], set(range(80 - window, 80)))
     # keys and values really are the kept rows of the originals
     for head in range(2):
         assert torch.equal(layer.keys[0, head], k[0, head, ours[head]])
@@ -172,7 +135,7 @@ def h2o_reference(q, k, capacity, recent_ratio, decode_qk):
         for x in range(g):
             h = kv * g + x
             for i in range(n):
-                p = _softmax_row(q[h, i], k[kv], i, d)
+                p = softmax_row(q[h, i], k[kv], i, d)
                 for j in range(i + 1):
                     acc[j] += float(p[j]) / g
         order = sorted(keys)
@@ -221,11 +184,11 @@ def test_h2o_prefill_only_keeps_top_column_sums_and_window():
         acc = {j: 0.0 for j in range(n)}
         for x in range(3):
             for i in range(n):
-                p = _softmax_row(q[0, kv * 3 + x].double()[i], k[0, kv].double(), i, 8)
+                p = softmax_row(q[0, kv * 3 + x].double()[i], k[0, kv].double(), i, 8)
                 for j in range(i + 1):
                     acc[j] += float(p[j]) / 3
         heavy = sorted(range(n - window), key=lambda j: -acc[j])[: capacity - window]
-        _assert_same_up_to_ties(ours[kv], sorted(heavy + list(range(n - window, n))), acc, set(range(n - window, n)))
+        assert_same_up_to_ties(ours[kv], sorted(heavy + list(range(n - window, n))), acc, set(range(n - window, n)))
 
 
 # ---- registry and validation -----------------------------------------------------------------------------------------

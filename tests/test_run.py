@@ -161,3 +161,14 @@ def test_sigkill_midway_then_resume_equals_uninterrupted(tmp_path):
     b = json.loads((samples.parent / "scores.json").read_text())
     assert a["score"] == b["score"] and a["sample_ids_digest"] == b["sample_ids_digest"]
     assert Path(samples.parent).name == Path(clean_job).name  # same config hash
+
+
+def test_help_lists_the_groups_and_cfg_job_prints_the_config(tmp_path):
+    helped = _run(["--help"], tmp_path, timeout=60)
+    assert helped.returncode == 0
+    for group in ("model:", "method:", "task:", "launcher:", "logger:"):
+        assert group in helped.stdout
+    assert "snapkv" in helped.stdout and "budget" in helped.stdout
+    cfg = _run(["--cfg", "job", "method=h2o", "budget=0.2"], tmp_path, timeout=60)
+    assert cfg.returncode == 0 and "name: h2o" in cfg.stdout and "budget: 0.2" in cfg.stdout
+    assert not (tmp_path / "results" / "runs").exists()
