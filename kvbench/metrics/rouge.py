@@ -1,0 +1,28 @@
+"""ROUGE scorers as the official benchmark code calls them.
+
+Two ROUGE libraries are in use and they are not interchangeable (reference/benchmarks.md section 0, item 1):
+Google ``rouge-score`` (lowercases, drops punctuation, optional Porter stemming) and pltrdy ``rouge==1.0.1``
+(case-sensitive, whitespace tokens; LongBench). This module holds the ``rouge-score`` ones.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from rouge_score import rouge_scorer
+
+
+@cache
+def _scorer(rouge_type: str, use_stemmer: bool) -> rouge_scorer.RougeScorer:
+    return rouge_scorer.RougeScorer([rouge_type], use_stemmer=use_stemmer)
+
+
+def rouge1_f_x10(reference: str, prediction: str) -> float:
+    """Needle-in-a-haystack score of PyramidKV / KVCache-Factory ``run_needle_in_haystack.py``.
+
+    ``RougeScorer(['rouge1'], use_stemmer=True).score(needle, response)['rouge1'].fmeasure * 10``, and 0 when the
+    response is empty (the official script checks ``len(response) != 0`` after ``strip()``). Range 0-10.
+    """
+    if len(prediction) == 0:
+        return 0.0
+    return _scorer("rouge1", True).score(reference, prediction)["rouge1"].fmeasure * 10
