@@ -84,7 +84,7 @@ class Job:
 
 def plan_job(cfg: DictConfig) -> Job:
     """Validate the composed config and build the job key. Never loads a model or data."""
-    from kvbench.engine.session import POSITION_MODES
+    from kvbench.engine.options import POSITION_MODES
     from kvbench.methods import build_method
     from kvbench.models import spec_from_config
     from kvbench.tasks import build_task

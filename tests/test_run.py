@@ -85,6 +85,8 @@ BAD = [
     (["model.dtype=float8"], "float8"),
     (["model.source=gguf", "model.path=/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
     (["batch_size=0"], "batch_size=0"),
+    (["task.haystack_dir=/nonexistent/essays"], "haystack_dir='/nonexistent/essays'"),
+    (["limit=0"], "limit=0"),
     (["position_mode=shifted"], "position_mode='shifted'"),
 ]
 
@@ -172,3 +174,18 @@ def test_help_lists_the_groups_and_cfg_job_prints_the_config(tmp_path):
     cfg = _run(["--cfg", "job", "method=h2o", "budget=0.2"], tmp_path, timeout=60)
     assert cfg.returncode == 0 and "name: h2o" in cfg.stdout and "budget: 0.2" in cfg.stdout
     assert not (tmp_path / "results" / "runs").exists()
+
+
+def test_batched_job_gives_the_same_predictions(tmp_path):
+    """batch_size=3 left-pads prompts of different lengths; every prediction equals the batch_size=1 run's."""
+    args = ["model=tiny-random", "task=passkey", "task.context_lengths=[256,320,400]", "task.depths=[20,80]",
+            "method=snapkv", "budget=64", "task.max_new_tokens=12"]
+    single = _run(args, tmp_path / "single")
+    batched = _run([*args, "batch_size=3"], tmp_path / "batched")
+    assert single.returncode == 0 and batched.returncode == 0, batched.stderr
+
+    def predictions(root):
+        (job,) = _job_dirs(root)
+        return {r["id"]: r["prediction"] for r in map(json.loads, (job / "samples.jsonl").read_text().splitlines())}
+
+    assert predictions(tmp_path / "single") == predictions(tmp_path / "batched")

@@ -18,10 +18,10 @@ import torch
 from kvbench.budget import Budget
 from kvbench.engine.attention import ACTIVE_SESSION, backend_function, grouped_attention, register_backends
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
+from kvbench.engine.options import POSITION_MODES
 from kvbench.errors import ConfigError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_rank
 
-POSITION_MODES = ("original", "compact")
 _ROTATABLE_ROPE = ("default", "linear", "llama3")
 
 

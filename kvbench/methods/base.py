@@ -16,13 +16,15 @@ new tensors (merging), so resident memory is what the method keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvbench.budget import Budget
-from kvbench.engine.cache import KVLayer
 from kvbench.errors import ConfigError
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
 
 
 @dataclass

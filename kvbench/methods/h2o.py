@@ -7,11 +7,10 @@ Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of La
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.engine.cache import KVLayer
 from kvbench.engine.scores import aggregate_group, column_sums
 from kvbench.methods.base import (
     DecodeContext,
@@ -22,6 +21,9 @@ from kvbench.methods.base import (
     keep_top,
     real_rank,
 )
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
 
 VARIANTS = ("paper", "prefill_only")
 GROUP_AGG = ("mean", "max")

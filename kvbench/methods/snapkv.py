@@ -7,13 +7,15 @@ code FasterDecoding/SnapKV. reference/methods.md B4.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.engine.cache import KVLayer
 from kvbench.engine.scores import aggregate_group, pool1d, window_attention
 from kvbench.methods.base import Method, PrefillContext, check_choice, check_positive, keep_top
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
 
 POOLING = ("max", "avg")
 GROUP_AGG = ("mean", "max")

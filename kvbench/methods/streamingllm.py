@@ -7,11 +7,10 @@ code mit-han-lab/streaming-llm. reference/methods.md B2.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.engine.cache import KVLayer
 from kvbench.methods.base import (
     DecodeContext,
     Method,
@@ -21,6 +20,9 @@ from kvbench.methods.base import (
     keep_top,
     real_rank,
 )
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
 
 VARIANTS = ("paper", "kvfactory")
 

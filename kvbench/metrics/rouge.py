@@ -7,9 +7,13 @@ Google ``rouge-score`` (lowercases, drops punctuation, optional Porter stemming)
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 
 from rouge_score import rouge_scorer
+
+# rouge_score logs "Using default tokenizer." at INFO through absl on every scorer; keep job logs readable.
+logging.getLogger("absl").setLevel(logging.WARNING)
 
 
 @cache

