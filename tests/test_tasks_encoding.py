@@ -5,9 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import pytest
-
-from kvbench import assets
 from kvbench.models.spec import ModelSpec
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.encoding import (
@@ -18,15 +15,6 @@ from kvbench.tasks.encoding import (
     prompt_token_budget,
     render_prompt,
 )
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        assets.asset_dir(assets.SMOLLM2), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
 
 
 @dataclass

@@ -11,7 +11,6 @@ import re
 
 import pytest
 
-from kvbench import assets
 from kvbench.errors import ConfigError
 from kvbench.tasks import build_task
 from kvbench.tasks.needle.task import NEEDLE, PROMPT, haystack_files, insert_needle, period_token_ids
@@ -26,15 +25,6 @@ from kvbench.tasks.twostage_retr.task import (
     YI_COT_PREFIX,
     make_one,
 )
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        assets.asset_dir(assets.SMOLLM2), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
 
 
 def _records(task, samples, predictions):

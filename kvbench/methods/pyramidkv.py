@@ -7,15 +7,12 @@ Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Informat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from kvbench.methods.base import Method, PrefillContext, check_choice, check_positive, keep_top
-from kvbench.methods.snapkv import GROUP_AGG, POOLING, snap_scores
-
-if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
-    from kvbench.engine.cache import KVLayer
+from kvbench.methods.base import PrefillContext, check_choice, check_positive
+from kvbench.methods.snapkv import SnapKV
 
 SCHEDULES = ("exact", "kvfactory")
 
@@ -53,7 +50,7 @@ def pyramid_capacity(capacity: int, n: int, window: int, beta: float, num_layers
 
 
 @dataclass
-class PyramidKV(Method):
+class PyramidKV(SnapKV):
     """Prefill-only; layer l keeps ``pyramid_capacity(...)[l]`` tokens selected as SnapKV does, plus the window.
 
     Defaults are KVCache-Factory's LongBench settings: window 8, kernel 7, max-pool, beta 20. ``schedule="exact"``
@@ -64,27 +61,17 @@ class PyramidKV(Method):
     name: ClassVar[str] = "pyramidkv"
     window: int = 8
     kernel: int = 7
-    pooling: str = "max"
     beta: float = 20.0
     schedule: str = "exact"
-    group_agg: str = "mean"
 
     def __post_init__(self) -> None:
-        check_positive(self.name, window=self.window, kernel=self.kernel, beta=self.beta)
-        check_choice(self.name, "pooling", self.pooling, POOLING)
+        super().__post_init__()
+        check_positive(self.name, beta=self.beta)
         check_choice(self.name, "schedule", self.schedule, SCHEDULES)
-        check_choice(self.name, "group_agg", self.group_agg, GROUP_AGG)
 
-    def min_budget_tokens(self) -> int:
-        return self.window + 1
-
-    def min_budget_reason(self) -> str:
-        return f"the observation window of {self.window} tokens is part of the budget"
-
-    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if ctx.n <= self.window or bool((ctx.prompt_lens <= ctx.capacity).all()):
-            return
-        keep = torch.tensor(
+    def layer_capacity(self, ctx: PrefillContext) -> torch.Tensor:
+        """Tokens this layer keeps per row (window included)."""
+        return torch.tensor(
             [
                 self.window
                 + pyramid_capacity(int(c), int(n), self.window, self.beta, ctx.num_layers, self.schedule)[
@@ -94,5 +81,3 @@ class PyramidKV(Method):
             ],
             device=ctx.capacity.device,
         )
-        scores = snap_scores(layer, ctx, self.window, self.kernel, self.pooling, self.group_agg)
-        keep_top(layer, scores, keep)

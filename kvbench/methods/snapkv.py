@@ -67,8 +67,12 @@ class SnapKV(Method):
     def min_budget_reason(self) -> str:
         return f"the observation window of {self.window} tokens is part of the budget"
 
+    def layer_capacity(self, ctx: PrefillContext) -> torch.Tensor:
+        """Tokens this layer keeps per row (window included): the budget, the same in every layer."""
+        return ctx.capacity
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if ctx.n <= self.window or bool((ctx.prompt_lens <= ctx.capacity).all()):
             return
         scores = snap_scores(layer, ctx, self.window, self.kernel, self.pooling, self.group_agg)
-        keep_top(layer, scores, ctx.capacity)
+        keep_top(layer, scores, self.layer_capacity(ctx))
