@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.budget import Budget
 from kvbench.config import CONF_DIR, register_resolvers
-from kvbench.errors import ConfigError, KVBenchError
+from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
 
 log = logging.getLogger("kvbench")
 GROUPS = ("model", "method", "task", "launcher", "logger", "experiment")
@@ -93,8 +93,17 @@ def plan_job(cfg: DictConfig) -> Job:
     method_cfg = OmegaConf.to_container(cfg.method, resolve=True)
     if method_cfg.get("name") == "fullkv":
         budget = Budget("full", float("inf"))
-    method = build_method(method_cfg, budget)
-    task = build_task(OmegaConf.to_container(cfg.task, resolve=True))
+    missing, method, task = [], None, None
+    try:
+        method = build_method(method_cfg, budget)
+    except NotAvailableError as exc:
+        missing.append(str(exc).split("; implemented")[0])
+    try:
+        task = build_task(OmegaConf.to_container(cfg.task, resolve=True))
+    except NotAvailableError as exc:
+        missing.append(str(exc).split("; implemented")[0])
+    if missing:  # say everything that is missing at once, not one piece per attempt
+        raise NotAvailableError(" and ".join(missing))
     spec = spec_from_config(OmegaConf.to_container(cfg.model, resolve=True))
     if cfg.position_mode not in POSITION_MODES:
         raise ConfigError(f"position_mode={cfg.position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")

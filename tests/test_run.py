@@ -78,7 +78,9 @@ BAD = [
     (["budget=1.5"], "budget=1.5"),
     (["budget=16"], "budget=16 is below the minimum 33"),
     (["method=pyramidkv", "budget=4"], "budget=4 is below"),
-    (["method=dynamickv", "task=longbench"], "not implemented yet"),
+    (["method=dynamickv", "task=longbench"],
+     "method 'dynamickv' is configured but not implemented yet (arrives with issue #3, the five seed methods) and "
+     "task 'longbench' is configured but not implemented yet (arrives with issue #5, benchmarks)"),
     (["method=d2o"], "not implemented yet"),
     (["method.pooling=median"], "pooling='median'"),
     (["+method.windw=3"], "windw"),

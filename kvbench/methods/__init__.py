@@ -8,8 +8,8 @@ from kvbench.budget import Budget
 from kvbench.methods.base import DecodeContext, Method, PrefillContext
 from kvbench.registry import Registry
 
-_SEED = "arrives with issue #3 (the five seed methods)"
-_BASELINE = "arrives with issue #4 (the other baselines)"
+_SEED = "arrives with issue #3, the five seed methods"
+_BASELINE = "arrives with issue #4, the other baselines"
 
 METHODS = Registry(
     "method",

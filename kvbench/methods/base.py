@@ -130,6 +130,9 @@ def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor) -> None:
     counts = layer.valid_counts()
     if bool((counts <= keep.view(-1, 1)).all()):
         return
+    if layer.valid is None and bool((counts == keep.view(-1, 1) + 1).all()):  # one eviction per decode step
+        layer.evict_one(scores.argmin(-1))
+        return
     if layer.valid is not None:
         scores = scores.masked_fill(~layer.valid, float("-inf"))
     k = int(keep.max())
@@ -142,7 +145,13 @@ def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor) -> None:
 
 
 def real_rank(layer: KVLayer) -> torch.Tensor:
-    """Rank of each entry among the valid entries of its (row, head) in position order: ``(B, H, entries)``."""
+    """Rank of each entry among the valid entries of its (row, head) in position order: ``(B, H, entries)``.
+
+    Entries are always stored in position order (appends are newer; gathers sort), so without invalid entries the
+    rank is the index.
+    """
+    if layer.valid is None:
+        return torch.arange(layer.num_entries, device=layer.positions.device).expand(*layer.positions.shape)
     valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
     order = torch.argsort(layer.positions, dim=-1)
     sorted_valid = torch.gather(valid, -1, order).long()

@@ -18,7 +18,7 @@ from kvbench.errors import ConfigError
 from kvbench.registry import Registry
 from kvbench.tasks.base import Sample, Task
 
-_BENCHMARKS = "arrives with issue #5 (benchmarks)"
+_BENCHMARKS = "arrives with issue #5, benchmarks"
 
 TASKS = Registry(
     "task",
