@@ -118,3 +118,28 @@ def test_session_without_cache_runs_full_attention(toy_llama):
     with CompressionSession(toy_llama, build_method({"name": "snapkv"}, b), b):
         out = toy_llama(ids, use_cache=False).logits
     assert torch.allclose(out, ref)
+
+
+def test_finish_prefill_sees_every_layer_and_stats_follow_it(toy_llama):
+    """Cross-layer methods (D2O, DynamicKV) decide after the last layer; the reported sizes are the final ones."""
+    from dataclasses import dataclass
+
+    from kvbench.methods.base import Method, keep_top
+
+    @dataclass
+    class KeepLastFive(Method):
+        seen_layers: int = 0
+
+        def finish_prefill(self, layers, ctx):
+            self.seen_layers = len(layers)
+            for layer in layers:
+                keep_top(layer, layer.positions.float(), torch.full_like(ctx.capacity, 5))
+
+    method = KeepLastFive()
+    b = Budget.parse(40)
+    with CompressionSession(toy_llama, method, b) as session:
+        out = greedy_generate(toy_llama, [_prompt(60, 9)], 4, NEVER_EOS, 0)
+    assert method.seen_layers == 3
+    assert session.stats.layer_entries_after_prefill == [5, 5, 5]
+    assert session.stats.resident_kv_bytes_after_prefill == 3 * 5 * 2 * 16 * 2 * 4
+    assert out.resident_kv_bytes_final == 3 * 8 * 2 * 16 * 2 * 4  # + 3 generated tokens appended

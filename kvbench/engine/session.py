@@ -114,18 +114,27 @@ class CompressionSession:
         capacity = torch.tensor([self.budget.tokens_for(int(x)) for x in prompt_lens], device=query.device)
         if module.layer_idx == 0:
             self.stats = SessionStats(prompt_lens=[int(x) for x in prompt_lens])
-        if not self.budget.is_full:
-            ctx = PrefillContext(
-                layer_idx=module.layer_idx, num_layers=self.num_layers, num_heads=self.num_heads,
-                num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
-                prompt_lens=prompt_lens, capacity=capacity,
-            )
-            self.method.prefill(layer, ctx)
-            self._rerotate(layer)
+        ctx = PrefillContext(
+            layer_idx=module.layer_idx, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
+            prompt_lens=prompt_lens, capacity=capacity,
+        )
         layer.capacity = capacity
-        self.stats.layer_entries_after_prefill.append(int(layer.valid_counts()[0, 0]))
-        self.stats.resident_kv_bytes_after_prefill += layer.resident_bytes()
+        if not self.budget.is_full:
+            self.method.prefill(layer, ctx)
+        if module.layer_idx == self.num_layers - 1:
+            self._finish_prefill(ctx)
         return out, None
+
+    def _finish_prefill(self, ctx: PrefillContext) -> None:
+        """After the last layer: cross-layer decisions (D2O's allocation, DynamicKV's last update), then stats."""
+        layers = [self._layers[i] for i in range(self.num_layers)]
+        if not self.budget.is_full:
+            self.method.finish_prefill(layers, ctx)
+        for layer in layers:
+            self._rerotate(layer)
+            self.stats.layer_entries_after_prefill.append(int(layer.valid_counts()[0, 0]))
+            self.stats.resident_kv_bytes_after_prefill += layer.resident_bytes()
 
     def _decode(self, backend, module, layer, query, attention_mask, scaling, kwargs):
         q_len = query.shape[2]
@@ -142,7 +151,9 @@ class CompressionSession:
             idx4 = selected.unsqueeze(-1).expand(*selected.shape, keys.shape[-1])
             keys, values = torch.gather(keys, 2, idx4), torch.gather(values, 2, idx4)
             valid = torch.gather(valid, -1, selected) if valid is not None else None
+        # the backend repeats KV heads by the model's group size: only valid for KV-head-granular caches
         fast = not self.method.needs_decode_probs and valid is None and q_len == 1
+        fast = fast and keys.shape[1] == self.num_kv_heads
         if fast:  # numerically the backend's own decode path (FullKV == plain generate)
             out, _ = backend(module, query, keys, values, None, **kwargs)
         else:

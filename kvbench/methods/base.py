@@ -1,10 +1,11 @@
 """The method contract.
 
 A method is a small dataclass whose fields are its hyperparameters (paper defaults). The engine calls it at up to
-three points, always for one layer at a time and never with a model class in sight:
+three points, one layer at a time (plus one call across layers after prefill) and never with a model class in sight:
 
 * ``prefill(layer, ctx)`` once per layer at the end of the prompt forward pass (select / evict / merge /
-  allocate), after the layer's attention output was computed with the full prompt;
+  allocate), after the layer's attention output was computed with the full prompt; then
+  ``finish_prefill(layers, ctx)`` once with every layer, for decisions across layers (D2O, DynamicKV);
 * ``decode(layer, ctx)`` after every decode step's attention (H2O/D2O eviction, merging);
 * ``select(layer, ctx)`` before a decode step's attention, to restrict what is *attended* without evicting
   (OmniKV, Quest): returns entry indices or None.
@@ -94,6 +95,10 @@ class Method:
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         """Compress ``layer`` at the end of prefill (default: keep everything)."""
+
+    def finish_prefill(self, layers: list[KVLayer], ctx: PrefillContext) -> None:
+        """Called once after the last layer's ``prefill`` with every layer, for decisions that need all layers
+        (D2O's per-layer allocation, DynamicKV's final re-allocation). ``ctx`` is the last layer's context."""
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         """Act after a decode step (default: nothing; the new token stays)."""
