@@ -112,8 +112,11 @@ def _job_dirs(tmp_path):
 
 
 def test_job_runs_stores_and_skips_when_finished(tmp_path):
-    proc = _run([*TINY, "method=h2o", "budget=64"], tmp_path)
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    proc = _run([*TINY, "method=h2o", "budget=64"], tmp_path, cwd=workdir)
     assert proc.returncode == 0, proc.stderr
+    assert list(workdir.iterdir()) == []  # nothing is written into the working directory
     assert "resident KV bytes" in proc.stdout and "h2o" in proc.stdout
     (job,) = _job_dirs(tmp_path)
     assert job.relative_to(tmp_path / "results" / "runs").parts[:4] == ("tiny-random", "passkey", "h2o", "64")
@@ -191,3 +194,15 @@ def test_batched_job_gives_the_same_predictions(tmp_path):
         return {r["id"]: r["prediction"] for r in map(json.loads, (job / "samples.jsonl").read_text().splitlines())}
 
     assert predictions(tmp_path / "single") == predictions(tmp_path / "batched")
+
+
+def test_wandb_logger_offline(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbench.run", *TINY, "method=snapkv", "budget=64", "logger=wandb", "limit=2"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "KVBENCH_RESULTS_DIR": str(tmp_path / "results"), "WANDB_MODE": "offline",
+             "WANDB_SILENT": "true"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    runs = list((tmp_path / "results" / "logs").glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
