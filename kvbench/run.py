@@ -174,14 +174,15 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
             prompts = [encode_sample(job.task, s, loaded.tokenizer, job.spec) for s in batch]
-            should_stop = _stop_checker(list(job.task.stop_strings), loaded.tokenizer)
+            limits = [job.task.max_new_tokens_for(s) for s in batch]
+            should_stop = _stop_checker([job.task.stop_strings_for(s) for s in batch], limits, loaded.tokenizer)
 
             with CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode) as sess:
-                out = greedy_generate(loaded.model, prompts, job.task.max_new_tokens, loaded.eos_token_ids,
+                out = greedy_generate(loaded.model, prompts, max(limits), loaded.eos_token_ids,
                                       loaded.tokenizer.pad_token_id, should_stop)
             stats = sess.stats
             for row, sample in enumerate(batch):
-                raw = decode_prediction(job.task, out.tokens[row], loaded.tokenizer)
+                raw = decode_prediction(job.task, out.tokens[row], loaded.tokenizer, sample)
                 prediction = job.task.postprocess(raw, sample)
                 record = {
                     "id": sample.id,
@@ -214,11 +215,14 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     return scores
 
 
-def _stop_checker(stops: list[str], tokenizer: Any):
-    """Rows stop once their last few tokens decode to text containing a task stop string."""
+def _stop_checker(stops: list[list[str]], limits: list[int], tokenizer: Any):
+    """A row stops at its own token limit, or once its last few tokens decode to text containing one of its stop
+    strings (rows of a batch may come from sub-datasets with different protocols)."""
 
     def should_stop(row: int, tokens: list[int]) -> bool:
-        return bool(stops) and any(stop in tokenizer.decode(tokens[-8:]) for stop in stops)
+        if len(tokens) >= limits[row]:
+            return True
+        return bool(stops[row]) and any(stop in tokenizer.decode(tokens[-8:]) for stop in stops[row])
 
     return should_stop
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from kvbench.engine.cache import KVLayer
 from kvbench.methods.base import DecodeContext, PrefillContext
+from kvbench.tasks.base import Sample, Task
 
 
 def make_layer(keys: torch.Tensor, values: torch.Tensor) -> KVLayer:
@@ -91,3 +94,20 @@ def snapkv_reference(q, k, capacity, window, kernel, pooling):
         kept.append(sorted(top + list(range(prefix, n))))
         all_scores.append({j: agg[j] for j in range(prefix)})
     return kept, all_scores
+
+
+@dataclass
+class PerSampleLimitsTask(Task):
+    """A toy task whose samples carry their own max_new_tokens (as LongBench's dataset2maxlen does)."""
+
+    name: ClassVar[str] = "per_sample_limits"
+    max_new_tokens: int = 50
+    limits: list[int] = field(default_factory=lambda: [3, 9, 5])
+
+    def samples(self, tokenizer: Any) -> list[Sample]:
+        text = "The grass is green. The sky is blue. " * 20
+        return [Sample(id=f"s{i}", prompt=text[: 300 + 40 * i], answers=["x"], max_new_tokens=limit)
+                for i, limit in enumerate(self.limits)]
+
+    def score(self, prediction: str, sample: Sample) -> float:
+        return 0.0

@@ -206,3 +206,21 @@ def test_wandb_logger_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr
     runs = list((tmp_path / "results" / "logs").glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_per_sample_generation_limits_in_one_batch(tmp_path, monkeypatch):
+    """Rows of one batch stop at their own max_new_tokens (LongBench mixes sub-datasets with different limits)."""
+    from omegaconf import OmegaConf
+
+    from kvbench.run import run_job
+    from kvbench.tasks import TASKS
+
+    monkeypatch.setitem(TASKS.entries, "per_sample_limits", "helpers:PerSampleLimitsTask")
+    cfg = _compose(["model=tiny-random", "method=fullkv", "batch_size=3", "print_table=false",
+                    f"paths.results_dir={tmp_path}"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.task = {"name": "per_sample_limits"}
+    run_job(cfg)
+    (job,) = sorted((tmp_path / "runs").glob("*/*/*/*/*"))
+    records = {r["id"]: r for r in map(json.loads, (job / "samples.jsonl").read_text().splitlines())}
+    assert [records[i]["new_tokens"] for i in ("s0", "s1", "s2")] == [3, 9, 5]  # the random model never says eos

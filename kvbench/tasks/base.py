@@ -25,6 +25,8 @@ class Sample:
     system: system prompt for the chat template, or None for the tokenizer's default.
     assistant_prefix: text that starts the answer (after the chat template's assistant header, or appended to a
         raw prompt), e.g. "The pass key is".
+    max_new_tokens / stop_strings: per-sample generation settings where a benchmark's protocol varies them by
+        sub-dataset (LongBench's dataset2maxlen, samsum's newline stop); None means the task's own.
     """
 
     id: str
@@ -33,6 +35,8 @@ class Sample:
     meta: dict[str, Any] = field(default_factory=dict)
     system: str | None = None
     assistant_prefix: str = ""
+    max_new_tokens: int | None = None
+    stop_strings: list[str] | None = None
 
 
 class Task(ABC):
@@ -49,6 +53,12 @@ class Task(ABC):
     @abstractmethod
     def samples(self, tokenizer: Any) -> list[Sample]:
         """All samples of this task, in a fixed order (tokenizer-aware generators may use the tokenizer)."""
+
+    def max_new_tokens_for(self, sample: Sample) -> int:
+        return sample.max_new_tokens if sample.max_new_tokens is not None else self.max_new_tokens
+
+    def stop_strings_for(self, sample: Sample) -> list[str]:
+        return list(sample.stop_strings if sample.stop_strings is not None else self.stop_strings)
 
     def postprocess(self, prediction: str, sample: Sample) -> str:
         """Official post-processing of a raw generation before scoring (default: strip)."""

@@ -83,13 +83,14 @@ def cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
     return text[:end]
 
 
-def decode_prediction(task: Task, token_ids: Sequence[int], tokenizer: Any) -> str:
-    """Generated ids -> raw prediction: decoded skipping special tokens, cut at the first of ``task.stop_strings``.
+def decode_prediction(task: Task, token_ids: Sequence[int], tokenizer: Any, sample: Sample | None = None) -> str:
+    """Generated ids -> raw prediction: decoded skipping special tokens, cut at the first stop string (the
+    sample's own where it has them, else ``task.stop_strings``).
 
     ``task.postprocess`` (e.g. ``strip``) runs after this, before scoring.
     """
     text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
-    return cut_at_stop(text, task.stop_strings)
+    return cut_at_stop(text, task.stop_strings_for(sample) if sample is not None else task.stop_strings)
 
 
 __all__ = [
