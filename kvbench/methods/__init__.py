@@ -19,9 +19,10 @@ METHODS = Registry(
         "snapkv": "kvbench.methods.snapkv:SnapKV",
         "pyramidkv": "kvbench.methods.pyramidkv:PyramidKV",
         "h2o": "kvbench.methods.h2o:H2O",
+        "omnikv": "kvbench.methods.omnikv:OmniKV",
     },
     pending={
-        **{name: _SEED for name in ("d2o", "dynamickv", "omnikv", "kvmerger", "pod")},
+        **{name: _SEED for name in ("d2o", "dynamickv", "kvmerger", "pod")},
         **{
             name: _BASELINE
             for name in (
