@@ -31,7 +31,10 @@ def _group_options(group: str) -> list[str]:
 
 
 def precheck_overrides(argv: list[str]) -> None:
-    """Reject unknown group options and malformed budgets in one line (Hydra would print a multi-line error)."""
+    """Reject unknown group options and malformed budgets in one line (Hydra would print a multi-line error).
+
+    Every bad choice on the command line is named at once."""
+    problems = []
     for arg in argv:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -39,12 +42,13 @@ def precheck_overrides(argv: list[str]) -> None:
         key = key.lstrip("+~")
         if key in GROUPS:
             options = _group_options(key)
-            for choice in _split_sweep(value):
-                if choice and choice not in options:
-                    raise ConfigError(_unknown_option_message(key, choice, options))
+            bad = [choice for choice in _split_sweep(value) if choice and choice not in options]
+            problems += [_unknown_option_message(key, choice, options) for choice in bad]
         elif key == "budget":
             for choice in _split_sweep(value):
                 Budget.parse(_yaml_scalar(choice))
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _split_sweep(value: str) -> list[str]:
@@ -158,6 +162,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     from kvbench.tasks.encoding import decode_prediction, encode_sample
 
     torch.manual_seed(cfg.seed)
+    job.task.prepare_data()  # a missing download fails here, before the model loads
     with jobdir:
         loaded = load_model(job.spec)
         samples = job.task.samples(loaded.tokenizer)

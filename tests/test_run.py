@@ -78,9 +78,11 @@ BAD = [
     (["budget=1.5"], "budget=1.5"),
     (["budget=16"], "budget=16 is below the minimum 33"),
     (["method=pyramidkv", "budget=4"], "budget=4 is below"),
-    (["method=dynamickv", "task=longbench"],
-     "method 'dynamickv' is configured but not implemented yet (arrives with issue #3, the five seed methods) and "
-     "task 'longbench' is configured but not implemented yet (arrives with issue #5, benchmarks)"),
+    (["method=pod", "task=infinitebench"],
+     "method 'pod' is not implemented yet (arrives with issue #3, the five seed methods); available: "),
+    (["method=pod", "task=infinitebench"], "task 'infinitebench' is not implemented yet (arrives with issue #5"),
+    (["method=snapkvv", "model=llama9"], "unknown method 'snapkvv'; valid methods: "),
+    (["task=longbench", "task.data_dir=/nonexistent/longbench"], "/nonexistent/longbench"),
     (["method=d2o"], "not implemented yet"),
     (["method.pooling=median"], "pooling='median'"),
     (["+method.windw=3"], "windw"),
@@ -224,3 +226,17 @@ def test_per_sample_generation_limits_in_one_batch(tmp_path, monkeypatch):
     (job,) = sorted((tmp_path / "runs").glob("*/*/*/*/*"))
     records = {r["id"]: r for r in map(json.loads, (job / "samples.jsonl").read_text().splitlines())}
     assert [records[i]["new_tokens"] for i in ("s0", "s1", "s2")] == [3, 9, 5]  # the random model never says eos
+
+
+def test_longbench_from_local_files_end_to_end(tmp_path):
+    """LongBench read from task.data_dir (the official jsonl format), per-dataset protocol, aggregate by dataset."""
+    fixtures = Path(__file__).parent / "fixtures" / "longbench"
+    proc = _run(["model=tiny-random", "task=longbench", f"task.data_dir={fixtures}", "method=snapkv", "budget=64",
+                 "task.datasets=[hotpotqa,trec,samsum,passage_retrieval_en,lcc]"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (job,) = _job_dirs(tmp_path)
+    scores = json.loads((job / "scores.json").read_text())
+    assert set(scores["datasets"]) == {"hotpotqa", "trec", "samsum", "passage_retrieval_en", "lcc"}
+    records = [json.loads(line) for line in (job / "samples.jsonl").read_text().splitlines()]
+    by_dataset = {r["id"].split("/")[0]: r for r in records}
+    assert by_dataset["samsum"]["new_tokens"] <= 128 and by_dataset["trec"]["new_tokens"] <= 64  # dataset2maxlen

@@ -26,11 +26,14 @@ TASKS = Registry(
         "needle": "kvbench.tasks.needle:NeedleTask",
         "passkey": "kvbench.tasks.passkey:PasskeyTask",
         "2stageretr": "kvbench.tasks.twostage_retr:TwoStageRetrTask",
+        "longbench": "kvbench.tasks.longbench:LongBenchTask",
+        "longbench_e": "kvbench.tasks.longbench:LongBenchETask",
+        "longbench_zh": "kvbench.tasks.longbench:LongBenchZhTask",
     },
     pending={
         name: _BENCHMARKS
         for name in (
-            "longbench", "longbench_e", "longbench_zh", "infinitebench", "ruler", "pg19", "gsm8k", "coqa",
+            "infinitebench", "ruler", "pg19", "gsm8k", "coqa",
             "truthfulqa", "leval", "zeroscrolls",
         )
     },

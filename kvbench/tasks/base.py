@@ -60,6 +60,13 @@ class Task(ABC):
     def stop_strings_for(self, sample: Sample) -> list[str]:
         return list(sample.stop_strings if sample.stop_strings is not None else self.stop_strings)
 
+    def chat_template_for(self, sample: Sample) -> bool:
+        """Whether this sample's prompt goes into the chat template (LongBench: not for its few-shot/code sets)."""
+        return self.chat_template
+
+    def prepare_data(self) -> None:
+        """Make the data available (download, unpack) before any model loads; fails with DataError."""
+
     def postprocess(self, prediction: str, sample: Sample) -> str:
         """Official post-processing of a raw generation before scoring (default: strip)."""
         return prediction.strip()

@@ -14,7 +14,7 @@ from kvbench.models.spec import ModelSpec
 from kvbench.tasks.base import Sample, Task
 
 
-def prompt_token_budget(task: Task, spec: ModelSpec) -> int:
+def prompt_token_budget(task: Task, spec: ModelSpec, sample: Sample | None = None) -> int:
     """Tokens the raw prompt may keep before middle truncation.
 
     ``task.truncate_to`` or else ``spec.max_input_tokens`` is a prompt budget already (LongBench ``model2maxlen``:
@@ -23,7 +23,8 @@ def prompt_token_budget(task: Task, spec: ModelSpec) -> int:
     is the budget. (InfiniteBench reserves nothing, so at exactly its 128K budget on a 128K model the cap is 6
     tokens stricter.)
     """
-    window = int(spec.context_length) - int(task.max_new_tokens)
+    new_tokens = task.max_new_tokens_for(sample) if sample is not None else task.max_new_tokens
+    window = int(spec.context_length) - int(new_tokens)
     explicit = task.truncate_to or spec.max_input_tokens
     return min(int(explicit), window) if explicit else window
 
@@ -40,16 +41,18 @@ def middle_truncate(text: str, tokenizer: Any, max_tokens: int) -> str:
     return head + tail
 
 
-def uses_chat_template(task: Task, spec: ModelSpec, tokenizer: Any) -> bool:
-    """The chat template applies when the task asks for it, the model config allows it and the tokenizer has one."""
-    return bool(task.chat_template and spec.chat_template and getattr(tokenizer, "chat_template", None))
+def uses_chat_template(task: Task, spec: ModelSpec, tokenizer: Any, sample: Sample | None = None) -> bool:
+    """The chat template applies when the task asks for it (for this sample), the model config allows it and the
+    tokenizer has one."""
+    wanted = task.chat_template_for(sample) if sample is not None else task.chat_template
+    return bool(wanted and spec.chat_template and getattr(tokenizer, "chat_template", None))
 
 
 def render_prompt(task: Task, sample: Sample, tokenizer: Any, spec: ModelSpec) -> tuple[str, bool]:
     """The full prompt text (after truncation and chat template, with the assistant prefix) and whether the chat
     template was applied (then the text already holds the special tokens and is encoded without adding more)."""
-    prompt = middle_truncate(sample.prompt, tokenizer, prompt_token_budget(task, spec))
-    if uses_chat_template(task, spec, tokenizer):
+    prompt = middle_truncate(sample.prompt, tokenizer, prompt_token_budget(task, spec, sample))
+    if uses_chat_template(task, spec, tokenizer, sample):
         messages = [{"role": "system", "content": sample.system}] if sample.system else []
         messages.append({"role": "user", "content": prompt})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
