@@ -32,6 +32,11 @@ class KVLayer(DynamicLayer):
 
     # ---- transformers' layer API -------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and self.keys.numel() and self.keys.shape[1] > key_states.shape[1]:
+            # a query-head-granular cache (DynamicKV's official layout): repeat new KV heads as repeat_kv does
+            rep = self.keys.shape[1] // key_states.shape[1]
+            key_states = key_states.repeat_interleave(rep, dim=1)
+            value_states = value_states.repeat_interleave(rep, dim=1)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             bsz, heads = key_states.shape[:2]

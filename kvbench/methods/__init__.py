@@ -20,9 +20,10 @@ METHODS = Registry(
         "pyramidkv": "kvbench.methods.pyramidkv:PyramidKV",
         "h2o": "kvbench.methods.h2o:H2O",
         "omnikv": "kvbench.methods.omnikv:OmniKV",
+        "dynamickv": "kvbench.methods.dynamickv:DynamicKV",
     },
     pending={
-        **{name: _SEED for name in ("d2o", "dynamickv", "kvmerger", "pod")},
+        **{name: _SEED for name in ("d2o", "kvmerger", "pod")},
         **{
             name: _BASELINE
             for name in (
