@@ -21,9 +21,10 @@ METHODS = Registry(
         "h2o": "kvbench.methods.h2o:H2O",
         "omnikv": "kvbench.methods.omnikv:OmniKV",
         "dynamickv": "kvbench.methods.dynamickv:DynamicKV",
+        "kvmerger": "kvbench.methods.kvmerger:KVMerger",
     },
     pending={
-        **{name: _SEED for name in ("d2o", "kvmerger", "pod")},
+        **{name: _SEED for name in ("d2o", "pod")},
         **{
             name: _BASELINE
             for name in (
