@@ -30,7 +30,7 @@ class SessionStats:
     """Per generation call (reset at every new prefill)."""
 
     prompt_lens: list[int] = field(default_factory=list)
-    layer_entries_after_prefill: list[int] = field(default_factory=list)  # valid entries per layer (row 0, head 0)
+    layer_entries_after_prefill: list[float] = field(default_factory=list)  # valid entries per layer (row 0)
     resident_kv_bytes_after_prefill: int = 0
     attended_entries_sum: int = 0  # sum over decode steps and layers of mean attended entries per (row, head)
     decode_layer_calls: int = 0
@@ -133,7 +133,10 @@ class CompressionSession:
             self.method.finish_prefill(layers, ctx)
         for layer in layers:
             self._rerotate(layer)
-            self.stats.layer_entries_after_prefill.append(int(layer.valid_counts()[0, 0]))
+            # mean over KV heads of row 0 (heads can keep different numbers: KVMerger's ragged sets)
+            counts = layer.valid_counts()[0]
+            mean = float(counts.float().mean())
+            self.stats.layer_entries_after_prefill.append(int(mean) if mean.is_integer() else round(mean, 2))
             self.stats.resident_kv_bytes_after_prefill += layer.resident_bytes()
 
     def _decode(self, backend, module, layer, query, attention_mask, scaling, kwargs):
