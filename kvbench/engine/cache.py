@@ -8,7 +8,7 @@
 * ``valid``: ``(batch, heads, entries)`` bool, or None when every entry is valid. False marks left padding and the
   empty slots of rows that keep fewer entries than others; such entries are never attended;
 * ``state``: per-entry method state, e.g. H2O's accumulated attention ``(batch, heads, entries)``, gathered and
-  evicted together with the keys.
+  evicted together with the keys; ``row_state``: per-row method state ``(batch, ...)``, e.g. D2O's EMA threshold.
 
 ``get_seq_length`` reports the *logical* number of tokens seen (as ``DynamicSlidingWindowLayer`` does), which is
 what ``generate`` needs to slice inputs and number positions; the physical length is ``num_entries``.
@@ -28,7 +28,8 @@ class KVLayer(DynamicLayer):
         self.valid: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.rope_pos: torch.Tensor | None = None  # position each key is currently rotated to (compact mode only)
-        self.capacity: torch.Tensor | None = None  # (batch,) tokens per layer the budget allows each row
+        self.capacity: torch.Tensor | None = None  # (batch,) tokens this layer may keep per row
+        self.row_state: dict[str, torch.Tensor] = {}  # per-row method state, (batch, ...): e.g. D2O's EMA threshold
 
     # ---- transformers' layer API -------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -70,6 +71,7 @@ class KVLayer(DynamicLayer):
         self.state = {}
         self.rope_pos = None
         self.capacity = None
+        self.row_state = {}
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("kvbench compressed caches cannot be cropped (assisted decoding is unsupported)")
@@ -84,6 +86,7 @@ class KVLayer(DynamicLayer):
             self.rope_pos = self.rope_pos[indices]
         if self.capacity is not None:
             self.capacity = self.capacity[indices]
+        self.row_state = {k: v[indices] for k, v in self.row_state.items()}
 
     # ---- kvbench API ---------------------------------------------------------------------------------------------
     @property

@@ -22,9 +22,10 @@ METHODS = Registry(
         "omnikv": "kvbench.methods.omnikv:OmniKV",
         "dynamickv": "kvbench.methods.dynamickv:DynamicKV",
         "kvmerger": "kvbench.methods.kvmerger:KVMerger",
+        "d2o": "kvbench.methods.d2o:D2O",
     },
     pending={
-        **{name: _SEED for name in ("d2o", "pod")},
+        "pod": _SEED,
         **{
             name: _BASELINE
             for name in (

@@ -1,0 +1,198 @@
+"""D2O's math as small functions: layer density, per-layer allocation (water-filled), EMA-gated merging.
+
+reference/methods.md A1.4 (steps 1-5) and A1.7 (resolutions); the official code's readings (anchors.md C.1) are the
+``official_*`` functions. Everything here is plain tensor code with no model or cache in sight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ALLOCATIONS = ("variance_softmax", "exponential_decay", "uniform", "reciprocal_variance")
+VARIANCE_NORMS = ("zscore", "none")
+
+
+# ---- layer level ---------------------------------------------------------------------------------------------------
+def layer_density(sums: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """F_l per row (A1.4 step 1): population variance over the row's real columns of the head-mean column sums.
+
+    sums: ``(B, Hq, n)`` per-query-head column sums; returns ``(B,)`` float64.
+    """
+    mean_heads = sums.double().mean(1)  # (B, n); column sums are linear, so this is the sum of the head-mean A
+    if key_valid is None:
+        return mean_heads.var(-1, unbiased=False)
+    out = []
+    for row in range(sums.shape[0]):
+        out.append(mean_heads[row][key_valid[row]].var(unbiased=False))
+    return torch.stack(out)
+
+
+def official_density(sums: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """The official code's F_l: per-query-head (unbiased) variance of the column sums, min-max normalised across
+    heads, averaged over heads (``modeling_llama3_7b_13b_d2o.py``, ``multimodal_entropy``). Returns ``(B,)``."""
+    out = []
+    for row in range(sums.shape[0]):
+        s = sums[row].double() if key_valid is None else sums[row][:, key_valid[row]].double()
+        var = s.var(-1)
+        out.append(((var - var.min()) / (var.max() - var.min() + 1e-6)).mean())
+    return torch.stack(out)
+
+
+def normalise_density(density: torch.Tensor, how: str) -> torch.Tensor:
+    """A1.7 item 1: ``zscore`` maps F to (F - mean) / std over layers (population std; 0 when all equal)."""
+    density = density.double()
+    if how == "none":
+        return density
+    std = density.std(unbiased=False)
+    return torch.zeros_like(density) if float(std) == 0.0 else (density - density.mean()) / std
+
+
+def water_fill(weights: torch.Tensor, total: float, lo: float, hi: float) -> torch.Tensor:
+    """Real sizes ``clamp(lam * w_l, lo, hi)`` with ``lam`` chosen so they sum to ``total`` (A1.7 item 1).
+
+    Clamped layers give their excess (or take their deficit) proportionally from the others. Layers whose weight
+    underflowed to exactly 0 stay at ``lo`` unless the positive-weight layers are all at ``hi``; then they share the
+    rest equally (as if their weights were equal infinitesimals). Requires ``L * lo <= total <= L * hi``.
+    """
+    w = weights.double() / weights.double().sum()
+    positive = w > 0
+
+    def sizes(log_lam: float) -> torch.Tensor:
+        return (math.exp(log_lam) * w).clamp(lo, hi)
+
+    low = math.log(max(lo, 1e-300)) - math.log(float(w.max())) - 1.0
+    high = math.log(hi) - math.log(float(w[positive].min())) + 1.0
+    if float(sizes(high).sum()) <= total:
+        x = sizes(high)
+        zero = ~positive
+        if bool(zero.any()):
+            x[zero] = torch.full((int(zero.sum()),), (total - float(x[positive].sum())) / int(zero.sum()),
+                                 dtype=x.dtype).clamp(lo, hi)
+        return x
+    for _ in range(200):  # bisection in log(lam): weights may span hundreds of orders of magnitude
+        mid = (low + high) / 2
+        if float(sizes(mid).sum()) < total:
+            low = mid
+        else:
+            high = mid
+    return sizes((low + high) / 2)
+
+
+def round_to_total(x: torch.Tensor, total: int, lo: int, hi: int) -> list[int]:
+    """Integers within [lo, hi] summing to ``total``, by largest remainders of the real sizes ``x``."""
+    base = torch.floor(x + 1e-9).long().clamp(lo, hi)
+    missing = total - int(base.sum())
+    frac = x - base.double()
+    if missing > 0:
+        order = torch.argsort(frac.masked_fill(base >= hi, -math.inf), descending=True)
+        base[order[:missing]] += 1
+    elif missing < 0:
+        order = torch.argsort(frac.masked_fill(base <= lo, math.inf))
+        base[order[:-missing]] -= 1
+    return base.tolist()
+
+
+def allocate(density: torch.Tensor, n: int, capacity: int, rule: str, variance_norm: str = "zscore",
+             tau_alloc: float = 1.0, s_min: int = 12) -> list[int]:
+    """S_l for every layer of one row (A1.4 step 2): n prompt tokens, ``capacity`` tokens per layer on average.
+
+    * ``variance_softmax``: S_l = softmax(-F~/tau)_l * L * capacity (= alpha_l * n with rho = capacity / n), F~ the
+      ``variance_norm``-normalised F (A1.7 item 1 places the z-score inside this softmax);
+    * ``reciprocal_variance``: shares (1/F_l) / sum(1/F), on the raw F (a z-scored F can be <= 0);
+    * ``exponential_decay``: alpha_l = exp(-F_l), S_l = alpha_l * n on the raw F, *unnormalised* as in Table 4:
+      the only rule whose total is not L * capacity (clamped to [S_min, n], not redistributed). With real
+      variances (F >> 1) most layers sit at S_min, i.e. far below the budget -- consistent with it scoring below
+      uniform in Table 4 (a z-scored F would instead put half the layers at n, far above the budget);
+    * ``uniform``: S_l = capacity.
+
+    The normalised rules are clamped to [min(s_min, capacity), n] and water-filled so that sum S_l = L * capacity
+    exactly.
+    """
+    num_layers = density.shape[0]
+    lo, hi, total = min(s_min, capacity), n, num_layers * capacity
+    if rule == "uniform" or num_layers == 1:
+        return [capacity] * num_layers
+    if rule == "exponential_decay":
+        alpha = torch.exp(-density.double())
+        return [int(v) for v in torch.round(alpha * n).clamp(lo, hi).long()]
+    if rule == "variance_softmax":
+        weights = torch.softmax(-normalise_density(density, variance_norm) / tau_alloc, dim=0)
+    elif rule == "reciprocal_variance":
+        weights = 1.0 / density.double().clamp(min=1e-300)
+    else:
+        raise ValueError(f"unknown allocation {rule!r}; valid: {', '.join(ALLOCATIONS)}")
+    return round_to_total(water_fill(weights, total, lo, hi), total, lo, hi)
+
+
+def official_ratios(density: torch.Tensor, rho: float) -> torch.Tensor:
+    """The official code's per-layer cache ratio: softmax(-F) * L * rho clamped to [0.01, 1], not renormalised."""
+    return (torch.softmax(-density.double(), dim=0) * density.shape[0] * rho).clamp(0.01, 1.0)
+
+
+# ---- token level ---------------------------------------------------------------------------------------------------
+def nearest_kept(features: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor, kept_valid: torch.Tensor,
+                 chunk: int = 512):
+    """Cosine similarity of each evicted entry to its most similar kept entry (A1.4 step 4.1-2).
+
+    features: ``(B, H, n, D)``; evicted: ``(B, H, e)`` entry indices; kept: ``(B, H, k)`` entry indices of the
+    kept set, ``kept_valid`` ``(B, H, k)`` False at empty slots. Returns ``m`` ``(B, H, e)`` (max cosine) and
+    ``target`` ``(B, H, e)`` (entry index). Memory is ``chunk x k`` per head (never n x n).
+    """
+    f = F.normalize(features.float(), dim=-1)
+    d = f.shape[-1]
+    fk = torch.gather(f, 2, kept.unsqueeze(-1).expand(*kept.shape, d))
+    ms, targets = [], []
+    for start in range(0, evicted.shape[-1], chunk):
+        idx = evicted[..., start : start + chunk]
+        fe = torch.gather(f, 2, idx.unsqueeze(-1).expand(*idx.shape, d))
+        u = torch.einsum("bhed,bhkd->bhek", fe, fk).masked_fill(~kept_valid.unsqueeze(2), float("-inf"))
+        m, slot = u.max(-1)
+        ms.append(m)
+        targets.append(torch.gather(kept, -1, slot))
+    return torch.cat(ms, -1), torch.cat(targets, -1)
+
+
+def ema_gate(m: torch.Tensor, e_valid: torch.Tensor, tau: torch.Tensor, beta: float):
+    """Merge decisions and the next threshold (A1.4 steps 4.3-4 and 5.3-4, A1.7 item 6).
+
+    m, e_valid: ``(B, H, e)``; tau: ``(B, H)`` (NaN = not yet initialised). An uninitialised tau becomes the mean of
+    this call's maxima and gates them (tau_0); an initialised one gates them first and is then updated
+    tau = beta * mean(m) + (1 - beta) * tau (one evicted token per decode step, so mean(m) = m_t).
+    """
+    count = e_valid.sum(-1)
+    mean_m = (m.masked_fill(~e_valid, 0.0).sum(-1) / count.clamp(min=1)).double()
+    fresh = torch.isnan(tau) & (count > 0)
+    threshold = torch.where(fresh, mean_m, tau)
+    merge = e_valid & (m.double() >= threshold.unsqueeze(-1))
+    updated = torch.where(fresh, mean_m, beta * mean_m + (1 - beta) * tau)
+    return merge, torch.where(count > 0, updated, tau)
+
+
+def merge_into(x: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, m: torch.Tensor, merge: torch.Tensor,
+               weights: str) -> torch.Tensor:
+    """Merge the flagged evicted entries of ``x`` ``(B, H, n, D)`` into their targets; returns the new tensor.
+
+    ``weighted`` (A1.4 step 4.5): x_c <- (e x_c + sum exp(u_e) x_e) / (e + sum exp(u_e)), a softmax over
+    {self} u G_c with self logit 1; ``average``: (x_c + sum x_e) / (1 + |G_c|); ``official``: the official code's
+    ``scatter_reduce(mean, include_self)`` of ``u_e * x_e``, i.e. (x_c + sum u_e x_e) / (1 + |G_c|).
+    """
+    flag = merge.float()
+    m = m.float().masked_fill(~merge, 0.0)
+    if weights == "weighted":
+        self_w, w, cnt = math.e, torch.exp(m) * flag, torch.exp(m) * flag
+    elif weights == "average":
+        self_w, w, cnt = 1.0, flag, flag
+    elif weights == "official":
+        self_w, w, cnt = 1.0, m * flag, flag
+    else:
+        raise ValueError(f"unknown merge weights {weights!r}")
+    xf = x.float()
+    d = x.shape[-1]
+    xe = torch.gather(xf, 2, evicted.unsqueeze(-1).expand(*evicted.shape, d))
+    num = torch.zeros_like(xf).scatter_add_(2, target.unsqueeze(-1).expand(*target.shape, d), w.unsqueeze(-1) * xe)
+    den = torch.zeros(x.shape[:3], dtype=torch.float32, device=x.device).scatter_add_(2, target, cnt)
+    merged = (self_w * xf + num) / (self_w + den).unsqueeze(-1)
+    return torch.where((den > 0).unsqueeze(-1), merged.to(x.dtype), x)
