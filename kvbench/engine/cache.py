@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvbench.errors import NotAvailableError
+
 
 class KVLayer(DynamicLayer):
     def __init__(self, **kwargs):
@@ -74,7 +76,9 @@ class KVLayer(DynamicLayer):
         self.row_state = {}
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("kvbench compressed caches cannot be cropped (assisted decoding is unsupported)")
+        raise NotAvailableError(
+            "a kvbench compressed cache cannot be cropped: assisted/speculative decoding is not supported with it"
+        )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
