@@ -140,14 +140,26 @@ class CompressionSession:
             self.stats.resident_kv_bytes_after_prefill += layer.resident_bytes()
 
     def _decode(self, backend, module, layer, query, attention_mask, scaling, kwargs):
-        q_len = query.shape[2]
         capacity = layer.capacity
         ctx = DecodeContext(
-            layer_idx=module.layer_idx, num_layers=self.num_layers, num_kv_heads=layer.keys.shape[1],
-            query=query, probs=None, capacity=capacity,
+            layer_idx=module.layer_idx, num_layers=self.num_layers, num_kv_heads=layer.values.shape[1],
+            query=query, probs=None, capacity=capacity, scaling=scaling,
         )
         if self.position_mode == "compact":
             self._rerotate(layer)
+        out = self.method.attend(layer, ctx)  # a method with its own decode attention (POD); None: the engine's
+        if out is not None:
+            valid, entries = layer.valid, layer.values.shape[2]
+        else:
+            out, valid, entries = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs)
+        attended = int(valid.sum() // valid[..., 0].numel()) if valid is not None else entries
+        self.stats.attended_entries_sum += attended
+        self.stats.decode_layer_calls += 1
+        self.method.decode(layer, ctx)
+        return out, None
+
+    def _engine_attention(self, backend, module, layer, query, scaling, ctx, kwargs):
+        q_len = query.shape[2]
         selected = self.method.select(layer, ctx)
         keys, values, valid = layer.keys, layer.values, layer.valid
         if selected is not None:
@@ -163,11 +175,7 @@ class CompressionSession:
             allowed = _decode_allowed(valid, keys.shape[:2], keys.shape[2], q_len, query.device)
             out, probs = grouped_attention(query, keys, values, allowed, scaling)
             ctx.probs = probs
-        attended = int(valid.sum() // valid[..., 0].numel()) if valid is not None else keys.shape[2]
-        self.stats.attended_entries_sum += attended
-        self.stats.decode_layer_calls += 1
-        self.method.decode(layer, ctx)
-        return out, None
+        return out, valid, keys.shape[2]
 
     # ---- compact positions (StreamingLLM's in-cache positions) -------------------------------------------------
     def _rope_inv_freq(self) -> torch.Tensor:

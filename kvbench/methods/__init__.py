@@ -8,7 +8,6 @@ from kvbench.budget import Budget
 from kvbench.methods.base import DecodeContext, Method, PrefillContext
 from kvbench.registry import Registry
 
-_SEED = "arrives with issue #3, the five seed methods"
 _BASELINE = "arrives with issue #4, the other baselines"
 
 METHODS = Registry(
@@ -23,9 +22,9 @@ METHODS = Registry(
         "dynamickv": "kvbench.methods.dynamickv:DynamicKV",
         "kvmerger": "kvbench.methods.kvmerger:KVMerger",
         "d2o": "kvbench.methods.d2o:D2O",
+        "pod": "kvbench.methods.pod:POD",
     },
     pending={
-        "pod": _SEED,
         **{
             name: _BASELINE
             for name in (

@@ -8,7 +8,11 @@ three points, one layer at a time (plus one call across layers after prefill) an
   ``finish_prefill(layers, ctx)`` once with every layer, for decisions across layers (D2O, DynamicKV);
 * ``decode(layer, ctx)`` after every decode step's attention (H2O/D2O eviction, merging);
 * ``select(layer, ctx)`` before a decode step's attention, to restrict what is *attended* without evicting
-  (OmniKV, Quest): returns entry indices or None.
+  (OmniKV, Quest): returns entry indices or None;
+* ``attend(layer, ctx)`` before ``select``, for methods that define their own decode attention (POD's shared
+  distant scores, Quest/InfLLM's block retrieval): returns the layer's attention output ``(B, q, Hq, D)`` or None
+  for the engine's attention. When it returns a tensor, ``select`` and the engine's attention are skipped and
+  ``decode`` follows with ``ctx.probs`` as the method left it (None unless it set them).
 
 Methods change the cache only through ``KVLayer.gather`` / ``KVLayer.evict_one`` (real eviction) or by assigning
 new tensors (merging), so resident memory is what the method keeps.
@@ -58,7 +62,8 @@ class DecodeContext:
     """What a method sees for one layer after a decode step.
 
     query: ``(B, Hq, q, D)``; probs: ``(B, Hkv, g, q, entries)`` attention probabilities over the layer's entries
-    (only when the method sets ``needs_decode_probs``; else None); capacity: as in PrefillContext.
+    (only when the method sets ``needs_decode_probs``; else None); capacity: as in PrefillContext; scaling: the
+    model's softmax scale (None: ``D ** -0.5``).
     """
 
     layer_idx: int
@@ -67,6 +72,7 @@ class DecodeContext:
     query: torch.Tensor
     probs: torch.Tensor | None
     capacity: torch.Tensor
+    scaling: float | None = None
 
 
 @dataclass
@@ -105,6 +111,11 @@ class Method:
 
     def select(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
         """Entries to attend at this decode step ``(B, H, k)``, or None for all."""
+        return None
+
+    def attend(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
+        """The layer's decode attention output ``(B, q, Hq, D)`` computed by the method itself, or None (default)
+        for the engine's attention. Called after the step's key/value were appended to ``layer``."""
         return None
 
     def describe(self) -> dict:

