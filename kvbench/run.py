@@ -85,6 +85,10 @@ class Job:
     key: dict[str, Any]
     parts: tuple[str, str, str, str]
 
+    @property
+    def budget_label(self) -> str:
+        return self.parts[3]
+
 
 def plan_job(cfg: DictConfig) -> Job:
     """Validate the composed config and build the job key. Never loads a model or data."""
@@ -119,18 +123,19 @@ def plan_job(cfg: DictConfig) -> Job:
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null")
     if cfg.batch_size > 1 and not method.supports_batching:
         raise ConfigError(f"method {method.name!r} is defined per sequence; use batch_size=1 (got {cfg.batch_size})")
+    label = method.budget_label(budget) or budget.label()  # POD's window, not the unused budget, names its jobs
     model_key = {k: v for k, v in asdict(spec).items() if k not in ("device", "notes")}
     key = {
         "kvbench_result_format": 1,
         "model": model_key,
         "method": method.describe(),
-        "budget": budget.label(),
+        "budget": label,
         "task": {**task.protocol(), "fields": _task_fields(task)},
         "position_mode": cfg.position_mode,
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
     }
-    return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, budget.label()))
+    return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, label))
 
 
 def _task_fields(task: Any) -> dict[str, Any]:
@@ -174,7 +179,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key, "resolved": _resolved(cfg)})))
         meta = _meta(job, loaded, cfg, started=time.time())
         jobdir.write_meta(meta)
-        bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget.label()}",
+        bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget_label}",
                    unit="sample", disable=None)
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
@@ -247,7 +252,7 @@ def _scores(job: Job, records: list[dict], samples: list, cfg: DictConfig) -> di
     return {
         "model": job.spec.name,
         "method": job.method.name,
-        "budget": job.budget.label(),
+        "budget": job.budget_label,
         "task": job.task.name,
         "task_version": job.task.version,
         "metric": job.task.metric,
@@ -303,7 +308,7 @@ def _meta(job: Job, loaded: Any, cfg: DictConfig, started: float) -> dict[str, A
         "device": loaded.device,
         "protocol": job.task.protocol(),
         "method": job.method.describe(),
-        "budget": {"kind": job.budget.kind, "value": job.budget.value, "label": job.budget.label()},
+        "budget": {"kind": job.budget.kind, "value": job.budget.value, "label": job.budget_label},
         "model": {"name": job.spec.name, "layers": loaded.num_layers, "heads": loaded.num_heads,
                   "kv_heads": loaded.num_kv_heads, "head_dim": loaded.head_dim, "dtype": str(loaded.model.dtype),
                   "load_seconds": loaded.load_seconds},

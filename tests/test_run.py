@@ -241,3 +241,10 @@ def test_longbench_from_local_files_end_to_end(tmp_path):
     records = [json.loads(line) for line in (job / "samples.jsonl").read_text().splitlines()]
     by_dataset = {r["id"].split("/")[0]: r for r in records}
     assert by_dataset["samsum"]["new_tokens"] <= 128 and by_dataset["trec"]["new_tokens"] <= 64  # dataset2maxlen
+
+
+def test_pod_jobs_are_keyed_by_their_window_not_the_unused_budget():
+    a = plan_job(_compose(["method=pod", "budget=64"]))
+    b = plan_job(_compose(["method=pod", "budget=0.5"]))
+    c = plan_job(_compose(["method=pod", "method.n_r=256"]))
+    assert a.key == b.key and a.parts[3] == "window16+4080" and c.parts[3] == "window16+256" and c.key != a.key

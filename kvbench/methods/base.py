@@ -118,6 +118,11 @@ class Method:
         for the engine's attention. Called after the step's key/value were appended to ``layer``."""
         return None
 
+    def budget_label(self, budget: Budget) -> str | None:
+        """How results of this method are filed and keyed; None: the budget's own label. A method whose memory is
+        set by its own fields rather than the budget (POD's window) returns a label of those."""
+        return None
+
     def describe(self) -> dict:
         """Hyperparameters as data (stored in meta.json)."""
         from dataclasses import asdict

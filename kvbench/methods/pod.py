@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvbench.budget import Budget
 from kvbench.errors import ConfigError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice
 
@@ -116,6 +117,9 @@ class POD(Method):
     tau: float = 1.0
     gate: str = "paper"
     _map: dict | None = field(default=None, init=False, repr=False)
+
+    def budget_label(self, budget: Budget) -> str:
+        return f"window{self.n_s}+{self.n_r}"  # the budget is unused: the window sets what stays resident
 
     def __post_init__(self) -> None:
         if self.n_s < 0 or self.n_r < 1:
