@@ -177,7 +177,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         done = {r["id"] for r in records}
         todo = [s for s in samples if s.id not in done]
         jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key, "resolved": _resolved(cfg)})))
-        meta = _meta(job, loaded, cfg, started=time.time())
+        meta = _meta(job, jobdir.hash, loaded, cfg, started=time.time())
         jobdir.write_meta(meta)
         bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget_label}",
                    unit="sample", disable=None)
@@ -287,20 +287,19 @@ def _git_sha() -> str | None:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def _meta(job: Job, loaded: Any, cfg: DictConfig, started: float) -> dict[str, Any]:
+def _meta(job: Job, job_hash: str, loaded: Any, cfg: DictConfig, started: float) -> dict[str, Any]:
     import platform
 
     import torch
     import transformers
 
     import kvbench
-    from kvbench.store import config_hash
 
     hardware = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         hardware["cuda_device"] = torch.cuda.get_device_name(0)
     return {
-        "job_hash": config_hash(job.key),
+        "job_hash": job_hash,
         "git_sha": _git_sha(),
         "versions": {"kvbench": kvbench.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},

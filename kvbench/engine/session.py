@@ -55,6 +55,7 @@ class CompressionSession:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.stats = SessionStats()
         self._layers: dict[int, KVLayer | None] = {}
+        self._prompt: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None  # set at layer 0's prefill
         self._hooks: list = []
         self._token = None
         self._inv_freq = self._rope_inv_freq() if position_mode == "compact" else None
@@ -107,13 +108,15 @@ class CompressionSession:
     def _prefill(self, backend, module, layer, query, key, value, attention_mask, scaling, kwargs):
         out, _ = backend(module, query, key, value, attention_mask, **kwargs)
         b, n = query.shape[0], query.shape[2]
-        key_valid = _key_valid(attention_mask, n)
+        if module.layer_idx == 0:  # padding, prompt lengths and budgets are the same for every layer of a forward
+            key_valid = _key_valid(attention_mask, n)
+            prompt_lens = key_valid.sum(-1) if key_valid is not None else torch.full((b,), n, device=query.device)
+            capacity = torch.tensor([self.budget.tokens_for(int(x)) for x in prompt_lens], device=query.device)
+            self._prompt = (key_valid, prompt_lens, capacity)
+            self.stats = SessionStats(prompt_lens=[int(x) for x in prompt_lens])
+        key_valid, prompt_lens, capacity = self._prompt
         if key_valid is not None:
             layer.set_valid(key_valid.view(b, 1, n).expand(b, layer.keys.shape[1], n).clone())
-        prompt_lens = key_valid.sum(-1) if key_valid is not None else torch.full((b,), n, device=query.device)
-        capacity = torch.tensor([self.budget.tokens_for(int(x)) for x in prompt_lens], device=query.device)
-        if module.layer_idx == 0:
-            self.stats = SessionStats(prompt_lens=[int(x) for x in prompt_lens])
         ctx = PrefillContext(
             layer_idx=module.layer_idx, num_layers=self.num_layers, num_heads=self.num_heads,
             num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,

@@ -63,6 +63,7 @@ class OmniKV(Method):
             raise ConfigError(f"method 'omnikv': wait_layers={self.wait_layers} must be >= 0")
         if self.filter_layers is not None and (not self.filter_layers or min(self.filter_layers) < 0):
             raise ConfigError(f"method 'omnikv': filter_layers={self.filter_layers!r} must be non-empty layer indices")
+        self._filters: dict[int, list[int]] = {}
         self._selection: dict[int, torch.Tensor] = {}
         self._window_queries: dict[int, torch.Tensor] = {}
         self._prefill_len = 0
@@ -76,6 +77,12 @@ class OmniKV(Method):
 
     # ---- layer roles -------------------------------------------------------------------------------------------
     def filters(self, num_layers: int) -> list[int]:
+        """Filter layers for a model of ``num_layers`` layers (asked per layer and step: computed once)."""
+        if num_layers not in self._filters:
+            self._filters[num_layers] = self._resolve_filters(num_layers)
+        return self._filters[num_layers]
+
+    def _resolve_filters(self, num_layers: int) -> list[int]:
         if self.filter_layers is not None:
             if max(self.filter_layers) >= num_layers:
                 raise ConfigError(f"method 'omnikv': filter_layers={self.filter_layers} exceed {num_layers} layers")
