@@ -181,13 +181,22 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         jobdir.write_meta(meta)
         bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget_label}",
                    unit="sample", disable=None)
+        def new_session() -> CompressionSession:
+            return CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode)
+
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
+            custom = job.task.evaluate(batch, loaded, new_session)  # perplexity / loglikelihood tasks
+            if custom is not None:
+                for record in custom:
+                    jobdir.append_record({**_RECORD_DEFAULTS, "batch_size": len(batch), **record})
+                    bar.update(1)
+                continue
             prompts = [encode_sample(job.task, s, loaded.tokenizer, job.spec) for s in batch]
             limits = [job.task.max_new_tokens_for(s) for s in batch]
             should_stop = _stop_checker([job.task.stop_strings_for(s) for s in batch], limits, loaded.tokenizer)
 
-            with CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode) as sess:
+            with new_session() as sess:
                 out = greedy_generate(loaded.model, prompts, max(limits), loaded.eos_token_ids,
                                       loaded.tokenizer.pad_token_id, should_stop)
             stats = sess.stats
@@ -223,6 +232,13 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     _log_wandb(cfg, job, scores, records)
     _print_table(cfg, job, scores, jobdir, skipped=False)
     return scores
+
+
+_RECORD_DEFAULTS = {
+    "prediction": "", "answers": [], "prompt_tokens": 0, "new_tokens": 0, "prefill_seconds": 0.0,
+    "decode_seconds": 0.0, "decode_steps": 0, "resident_kv_bytes": 0, "resident_kv_bytes_final": 0,
+    "layer_entries": [], "attended_tokens_mean": 0.0,
+}
 
 
 def _stop_checker(stops: list[list[str]], limits: list[int], tokenizer: Any):

@@ -7,7 +7,7 @@ import torch
 
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, KVCache, greedy_generate
-from kvbench.engine.session import _rotate
+from kvbench.engine.session import rotate_keys
 from kvbench.methods import build_method
 
 NEVER_EOS = [255]
@@ -90,8 +90,9 @@ def test_rotation_composes():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     a = torch.full((1, 2, 5), 3.0)
     b = torch.full((1, 2, 5), -7.0)
-    assert torch.allclose(_rotate(_rotate(keys, a, inv_freq), b, inv_freq), _rotate(keys, a + b, inv_freq), atol=1e-5)
-    assert torch.allclose(_rotate(keys, torch.zeros(1, 2, 5), inv_freq), keys)
+    twice = rotate_keys(rotate_keys(keys, a, inv_freq), b, inv_freq)
+    assert torch.allclose(twice, rotate_keys(keys, a + b, inv_freq), atol=1e-5)
+    assert torch.allclose(rotate_keys(keys, torch.zeros(1, 2, 5), inv_freq), keys)
 
 
 def test_compact_positions_are_a_noop_without_eviction_and_differ_with_it(toy_llama):

@@ -59,6 +59,8 @@ class CompressionSession:
         self._hooks: list = []
         self._token = None
         self._inv_freq = self._rope_inv_freq() if position_mode == "compact" else None
+        #: RoPE frequencies for methods that re-rotate keys (LM-Infinite's distance ceiling); None if not rotatable
+        self.rope_inv_freq = self._inv_freq if self._inv_freq is not None else self._rope_inv_freq(strict=False)
 
     # ---- context management ----------------------------------------------------------------------------------
     def __enter__(self) -> CompressionSession:
@@ -106,7 +108,6 @@ class CompressionSession:
         return self._decode(backend, module, layer, query, attention_mask, scaling, kwargs)
 
     def _prefill(self, backend, module, layer, query, key, value, attention_mask, scaling, kwargs):
-        out, _ = backend(module, query, key, value, attention_mask, **kwargs)
         b, n = query.shape[0], query.shape[2]
         if module.layer_idx == 0:  # padding, prompt lengths and budgets are the same for every layer of a forward
             key_valid = _key_valid(attention_mask, n)
@@ -120,8 +121,11 @@ class CompressionSession:
         ctx = PrefillContext(
             layer_idx=module.layer_idx, num_layers=self.num_layers, num_heads=self.num_heads,
             num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
-            prompt_lens=prompt_lens, capacity=capacity,
+            prompt_lens=prompt_lens, capacity=capacity, rope_inv_freq=self.rope_inv_freq,
         )
+        out = None if self.budget.is_full else self.method.prefill_attend(layer, ctx)  # Λ-masks (LM-Infinite, CaM)
+        if out is None:
+            out, _ = backend(module, query, key, value, attention_mask, **kwargs)
         layer.capacity = capacity
         if not self.budget.is_full:
             self.method.prefill(layer, ctx)
@@ -146,7 +150,7 @@ class CompressionSession:
         capacity = layer.capacity
         ctx = DecodeContext(
             layer_idx=module.layer_idx, num_layers=self.num_layers, num_kv_heads=layer.values.shape[1],
-            query=query, probs=None, capacity=capacity, scaling=scaling,
+            query=query, probs=None, capacity=capacity, scaling=scaling, rope_inv_freq=self.rope_inv_freq,
         )
         if self.position_mode == "compact":
             self._rerotate(layer)
@@ -181,9 +185,14 @@ class CompressionSession:
         return out, valid, keys.shape[2]
 
     # ---- compact positions (StreamingLLM's in-cache positions) -------------------------------------------------
-    def _rope_inv_freq(self) -> torch.Tensor:
+    def _rope_inv_freq(self, strict: bool = True) -> torch.Tensor | None:
         params = getattr(self.model.config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
+        if not strict:
+            try:
+                return self._rope_inv_freq()
+            except ConfigError:
+                return None
         if rope_type not in _ROTATABLE_ROPE:
             raise ConfigError(
                 f"position_mode=compact needs a position-independent RoPE; rope_type={rope_type!r} is not one of "
@@ -206,12 +215,13 @@ class CompressionSession:
         target = torch.where(rank >= 0, latest - counts + 1 + rank, rope_pos)
         delta = target - rope_pos
         if bool((delta != 0).any()):
-            layer.keys = _rotate(layer.keys, delta, self._inv_freq.to(layer.keys.device))
+            layer.keys = rotate_keys(layer.keys, delta, self._inv_freq.to(layer.keys.device))
         layer.rope_pos = target
 
 
-def _rotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate post-RoPE keys by ``delta`` positions (RoPE rotations compose additively)."""
+def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate post-RoPE keys ``(B, H, T, D)`` by ``delta`` positions ``(B, H, T)`` (RoPE rotations compose
+    additively; rotate-half layout, as every transformers RoPE model)."""
     angles = delta.unsqueeze(-1) * inv_freq  # (B, H, T, D/2)
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = emb.cos().to(keys.dtype), emb.sin().to(keys.dtype)

@@ -9,6 +9,8 @@ three points, one layer at a time (plus one call across layers after prefill) an
 * ``decode(layer, ctx)`` after every decode step's attention (H2O/D2O eviction, merging);
 * ``select(layer, ctx)`` before a decode step's attention, to restrict what is *attended* without evicting
   (OmniKV, Quest): returns entry indices or None;
+* ``prefill_attend(layer, ctx)`` before ``prefill``, for methods whose prompt attention is not full causal
+  attention (LM-Infinite's Λ mask): returns the layer's output ``(B, n, Hq, D)`` or None for the backend's;
 * ``attend(layer, ctx)`` before ``select``, for methods that define their own decode attention (POD's shared
   distant scores, Quest/InfLLM's block retrieval): returns the layer's attention output ``(B, q, Hq, D)`` or None
   for the engine's attention. When it returns a tensor, ``select`` and the engine's attention are skipped and
@@ -51,6 +53,8 @@ class PrefillContext:
     key_valid: torch.Tensor | None
     prompt_lens: torch.Tensor
     capacity: torch.Tensor
+    #: ``(D/2,)`` RoPE inverse frequencies when keys can be re-rotated (``engine.session.rotate_keys``), else None
+    rope_inv_freq: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -73,6 +77,7 @@ class DecodeContext:
     probs: torch.Tensor | None
     capacity: torch.Tensor
     scaling: float | None = None
+    rope_inv_freq: torch.Tensor | None = None
 
 
 @dataclass
@@ -98,6 +103,12 @@ class Method:
 
     def min_budget_reason(self) -> str:
         return "at least one token"
+
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        """The layer's prompt attention output ``(B, n, Hq, D)`` when the method restricts prefill attention itself
+        (LM-Infinite's Λ mask, CaM's start+recent mask), or None (default) for the backend's full causal attention.
+        ``layer`` holds the whole prompt's post-RoPE keys/values; called before ``prefill``."""
+        return None
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         """Compress ``layer`` at the end of prefill (default: keep everything)."""

@@ -67,6 +67,18 @@ class Task(ABC):
     def prepare_data(self) -> None:
         """Make the data available (download, unpack) before any model loads; fails with DataError."""
 
+    def evaluate(self, batch: list[Sample], loaded: Any, new_session: Any) -> list[dict[str, Any]] | None:
+        """Evaluate ``batch`` with the task's own loop instead of generation, or None (default) to generate.
+
+        Tasks that are not generate-then-score (PG-19's streaming perplexity, lm-eval's loglikelihood requests)
+        return one record per sample: ``id``, ``score``, ``meta`` and any of the runner's statistics
+        (``prompt_tokens``, ``new_tokens``, ``prefill_seconds``, ``decode_seconds``, ``decode_steps``,
+        ``resident_kv_bytes``, ``resident_kv_bytes_final``, ``layer_entries``, ``attended_tokens_mean``; missing
+        ones are 0). ``loaded`` is the ``kvbench.models.LoadedModel``; ``new_session()`` returns a fresh
+        ``CompressionSession`` for the job's method and budget (a context manager around each forward pass).
+        """
+        return None
+
     def postprocess(self, prediction: str, sample: Sample) -> str:
         """Official post-processing of a raw generation before scoring (default: strip)."""
         return prediction.strip()
