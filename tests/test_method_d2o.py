@@ -75,7 +75,7 @@ def _merge(store, c, others):
     return (math.e * store[c] + sum(math.exp(u) * store[e] for e, u in others)) / z
 
 
-def d2o_reference(q, k, v, size, decode_qkv, sinks=4, recent_fraction=0.25, beta=0.7):
+def d2o_reference(q, k, v, size, decode_qkv, sinks=4, recent_fraction=0.25, beta=0.7, add_score=False):
     """D2O for one row with Python loops per KV head: returns per step (kept positions, keys, values, tau)."""
     hq, n, d = q.shape
     hkv = k.shape[0]
@@ -102,6 +102,9 @@ def d2o_reference(q, k, v, size, decode_qkv, sinks=4, recent_fraction=0.25, beta
         for e, (m, c) in best.items():
             if m >= tau:
                 groups.setdefault(c, []).append((e, m))
+        if add_score:  # merge_score="add": a target's score gains its merged tokens' scores
+            for c, group in groups.items():
+                acc[c] += sum(acc[e] for e, _ in group)
         new_k = {c: _merge(keys, c, groups[c]) for c in groups}
         new_v = {c: _merge(vals, c, groups[c]) for c in groups}
         keys.update(new_k)
@@ -126,6 +129,8 @@ def d2o_reference(q, k, v, size, decode_qkv, sinks=4, recent_fraction=0.25, beta
                     keys[c] = _merge(keys, c, [(victim, m)])
                     vals[c] = _merge(vals, c, [(victim, m)])
                     merged = [c]
+                    if add_score:
+                        acc[c] += acc[victim]
                 tau = beta * m + (1 - beta) * tau
             steps.append((list(kept), torch.stack([keys[j] for j in kept]), torch.stack([vals[j] for j in kept]),
                           tau, merged))
@@ -142,17 +147,19 @@ def _check(layer, ref, step, tau):
         assert float(tau[0, head]) == pytest.approx(ref_tau, abs=1e-6)
 
 
-def test_prefill_and_decode_match_reference():
+@pytest.mark.parametrize("merge_score", ["keep", "add"])
+def test_prefill_and_decode_match_reference(merge_score):
     n, size = 40, 16
     q, k, v = _qkv(n=n)
     steps = [_qkv(n=1, seed=50 + s) for s in range(8)]
     layer = make_layer(k, v)
-    method = D2O()
+    method = D2O(merge_score=merge_score)
     ctx = prefill_ctx(q, layer, size)
     method.prefill(layer, ctx)
     method.finish_prefill([layer], ctx)
     assert method.last_allocation == [[size]]
-    ref = d2o_reference(q[0], k[0], v[0], size, [(qq[0, :, 0], kk[0, :, 0], vv[0, :, 0]) for qq, kk, vv in steps])
+    ref = d2o_reference(q[0], k[0], v[0], size, [(qq[0, :, 0], kk[0, :, 0], vv[0, :, 0]) for qq, kk, vv in steps],
+                        add_score=merge_score == "add")
     assert all(ref[h][0][4] for h in range(2))  # some tokens merged at prefill ...
     assert all(len(ref[h][0][0]) + len(ref[h][0][4]) < n for h in range(2))  # ... and some discarded
     _check(layer, ref, 0, layer.row_state["d2o_tau_key"])
@@ -285,3 +292,19 @@ def test_smollm2_8k_prompt_memory_stays_bounded(smol):
     assert grown < 1.5, f"peak RSS grew by {grown:.2f} GiB"
     assert sum(method.last_allocation[0]) == 30 * 1600
     assert session.stats.resident_kv_bytes_after_prefill == 30 * 3 * 1600 * 64 * 2 * 4
+
+
+def test_merge_score_add_changes_which_tokens_are_evicted():
+    q, k, v = _qkv(n=40)
+    steps = [_qkv(n=1, seed=50 + s) for s in range(8)]
+    kept = {}
+    for merge_score in ("keep", "add"):
+        layer = make_layer(k.clone(), v.clone())
+        method = D2O(merge_score=merge_score)
+        ctx = prefill_ctx(q, layer, 16)
+        method.prefill(layer, ctx)
+        method.finish_prefill([layer], ctx)
+        for qq, kk, vv in steps:
+            decode_step(method, layer, qq, kk, vv, 16)
+        kept[merge_score] = kept_positions(layer)
+    assert kept["keep"] != kept["add"]

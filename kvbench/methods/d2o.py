@@ -33,6 +33,7 @@ VARIANTS = ("paper", "official_code")
 FEATURES = ("key", "value", "key_value")
 MERGE_WEIGHTS = ("weighted", "average")
 GROUP_AGG = ("mean", "max")
+MERGE_SCORES = ("keep", "add")
 NEVER = 2**62  # capacity of a layer the official code never compresses
 # similarity feature -> passes of (feature the cosine is computed on, tensors merged with its decisions)
 PASSES = {"key": [("key", ("keys", "values"))], "value": [("value", ("keys", "values"))],
@@ -49,7 +50,9 @@ class D2O(Method):
     similar kept token (cosine of keys) iff its maximum similarity reaches the threshold tau, with GAT-style
     weights (self logit 1). tau_0 = mean of the prefill maxima; every decode step evicts the lowest-score non-sink,
     non-recent token, gates it with tau_{t-1} and updates tau_t = beta m_t + (1 - beta) tau_{t-1}. The cache of
-    layer l stays at S_l. Merge targets keep their accumulated score and position (A1.7 items 9-10).
+    layer l stays at S_l. Merge targets keep their position and, by default, their accumulated score (A1.7 items
+    9-10); ``merge_score="add"`` adds each merged token's accumulated score to its target's (the other reading;
+    with ``similarity_feature="key_value"`` the key pass's decisions move the scores).
 
     ``variant="official_code"`` (AIoT-MLSys-Lab/D2O): F_l is the head mean of the min-max-normalised per-head
     variances; ratios softmax(-F) L rho clamped to [0.01, 1] and not renormalised; layers 0, 1 and the last are
@@ -77,6 +80,7 @@ class D2O(Method):
     group_agg: str = "mean"
     chunk: int = 512
     variant: str = "paper"
+    merge_score: str = "keep"
 
     def __post_init__(self) -> None:
         check_positive(self.name, beta=self.beta, tau_alloc=self.tau_alloc, chunk=self.chunk)
@@ -84,7 +88,8 @@ class D2O(Method):
                                     ("variance_norm", self.variance_norm, VARIANCE_NORMS),
                                     ("similarity_feature", self.similarity_feature, FEATURES),
                                     ("merge_weights", self.merge_weights, MERGE_WEIGHTS),
-                                    ("group_agg", self.group_agg, GROUP_AGG)):
+                                    ("group_agg", self.group_agg, GROUP_AGG),
+                                    ("merge_score", self.merge_score, MERGE_SCORES)):
             check_choice(self.name, key, value, choices)
         if not 0 < self.beta < 1 or not 0 < self.recent_fraction < 1 or self.sink_size < 0:
             raise ConfigError(f"method 'd2o': beta={self.beta} and recent_fraction={self.recent_fraction} must be in "
@@ -199,6 +204,10 @@ class D2O(Method):
             else:
                 merge, tau = ema_gate(m, e_valid, tau, self.beta)
             layer.row_state[f"d2o_tau_{feat}"] = tau
+            if self.merge_score == "add" and feat == PASSES[self.similarity_feature][0][0]:
+                acc = layer.state["acc"]
+                moved = torch.gather(acc, -1, evicted).masked_fill(~merge, 0.0)
+                layer.state["acc"] = acc.scatter_add(-1, target, moved)
             weights = "official" if official else self.merge_weights
             for attr in tensors:
                 setattr(layer, attr, merge_into(getattr(layer, attr), evicted, target, m, merge, weights))
