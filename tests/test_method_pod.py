@@ -242,3 +242,107 @@ def test_grouping_tool_and_a_needle_sized_run_on_smollm2(smol, tmp_path):
         full = 30 * 3 * n * 64 * 2 * 4
         trimmed = sum(e < n for e in session.stats.layer_entries_after_prefill)
         assert session.stats.resident_kv_bytes_after_prefill == full - trimmed * 3 * (n - 16 - 255) * 64 * 4
+
+
+# ---- (f) whole-sequence POD attention: prefill and post-training ------------------------------------------------
+def _slow_pod_row(own_q, own_k, v, src_q, src_k, i, n_s, n_r, offset=0.0):
+    """Eqs. 3-4 for query i of one head: own logits on P_i, source logits (+ offset) on D_i, gate = one softmax."""
+    d = own_q.shape[-1]
+    logits = []
+    for j in range(i + 1):
+        if n_s <= j <= i - n_r:
+            logits.append(float(src_q[i] @ src_k[j]) / math.sqrt(d) + offset)
+        else:
+            logits.append(float(own_q[i] @ own_k[j]) / math.sqrt(d))
+    probs = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+    return sum(float(probs[j]) * v[j].double() for j in range(i + 1))
+
+
+@pytest.mark.parametrize("chunk", [64, 5])
+def test_sequence_attention_matches_slow_reference(chunk):
+    from kvbench.methods.pod_attention import pod_sequence_attention
+
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, n, d, n_s, n_r = 1, 4, 2, 23, 8, 2, 5
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for h in (hq, hkv, hkv))
+    q0, k0 = torch.randn(b, hq, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+    offsets = torch.tensor([0.0, -0.7])
+    # head 0 is the lowest layer of its block (standard attention), head 1 shares layer 0's logits
+    out = pod_sequence_attention(q, k, v, d**-0.5, [2, 0], 2, {0: (q0, k0)}, n_s, n_r, None, offsets, chunk)
+    assert out.shape == (b, n, hq, d)
+    for h in range(hq):
+        kv = h // 2
+        for i in range(n):
+            if kv == 0:
+                ref = _slow_pod_row(q[0, h], k[0, kv], v[0, kv], q[0, h], k[0, kv], i, n_s, n_r)
+            else:
+                ref = _slow_pod_row(q[0, h], k[0, kv], v[0, kv], q0[0, h], k0[0, kv], i, n_s, n_r, -0.7)
+            assert torch.allclose(out[0, i, h].double(), ref, atol=1e-5), (h, i)
+
+
+def _lowest(method, model):
+    cfg = model.config
+    return method._structure(cfg.num_hidden_layers, cfg.num_key_value_heads)
+
+
+def test_training_attention_equals_the_prefill_the_engine_runs(toy_llama, tmp_path):
+    """scripts/pod_adapt.py trains with PODTrainingAttention; inference prefill (prefill_mode=shared) must compute
+    the same logits, and both differ from standard attention once tokens are distant."""
+    from kvbench.methods.pod_attention import PODTrainingAttention
+
+    ids = torch.tensor([PROMPT])
+    method = POD(n_s=4, n_r=8, block_map=_write_map(tmp_path, [[0, 1, 2]]))
+    with CompressionSession(toy_llama, method, Budget.parse(128)), torch.inference_mode():
+        engine = toy_llama(ids, past_key_values=KVCache(), use_cache=True).logits
+    with PODTrainingAttention(toy_llama, _lowest(method, toy_llama), 4, 8), torch.inference_mode():
+        trained = toy_llama(ids, use_cache=False).logits
+    plain = toy_llama(ids, use_cache=False).logits
+    assert torch.allclose(engine, trained, atol=1e-5)
+    assert not torch.allclose(trained, plain, atol=1e-3)
+    # prefill_mode=full: the prompt is attended normally (sharing only at decode)
+    full = POD(n_s=4, n_r=8, block_map=_write_map(tmp_path, [[0, 1, 2]]), prefill_mode="full")
+    with CompressionSession(toy_llama, full, Budget.parse(128)), torch.inference_mode():
+        assert torch.allclose(toy_llama(ids, past_key_values=KVCache(), use_cache=True).logits, plain, atol=1e-5)
+    # every layer its own block: POD attention is standard attention
+    alone = POD(n_s=4, n_r=8)
+    with PODTrainingAttention(toy_llama, _lowest(alone, toy_llama), 4, 8), torch.inference_mode():
+        assert torch.allclose(toy_llama(ids, use_cache=False).logits, plain, atol=1e-5)
+
+
+def test_calibrated_gate_offsets_shift_the_shared_logits(toy_llama, tmp_path):
+    path = tmp_path / "cal.json"
+    data = {"model": "toy", "delta": 0.5, "granularity": "layer", "num_layers": 3, "num_kv_heads": 2,
+            "blocks": [[0, 1, 2]], "gate_offsets": {"n_s": 4, "n_r": 8, "offsets": [[0, 0], [0, 0], [0, 0]]}}
+    path.write_text(json.dumps(data))
+    zero = _generate(toy_llama, POD(n_s=4, n_r=8, block_map=str(path), gate="calibrated"), budget=128)[0]
+    paper = _generate(toy_llama, POD(n_s=4, n_r=8, block_map=str(path)), budget=128)[0]
+    assert zero == paper  # zero offsets: the paper's gate
+    data["gate_offsets"]["offsets"] = [[0, 0], [3.0, -3.0], [2.0, 2.0]]
+    path.write_text(json.dumps(data))
+    shifted = _generate(toy_llama, POD(n_s=4, n_r=8, block_map=str(path), gate="calibrated"), budget=128)[0]
+    assert shifted != paper
+    with pytest.raises(ConfigError, match="calibrated for n_s=4, n_r=8"):
+        POD(n_s=4, n_r=9, block_map=str(path), gate="calibrated")
+
+
+def test_gate_offsets_by_hand():
+    """b = mean over distant rows and the group's query heads of lse(own distant logits) - lse(source's)."""
+    from kvbench.methods.pod_grouping import gate_offsets
+
+    g = torch.Generator().manual_seed(5)
+    n, rows, d, n_s, n_r = 12, 3, 4, 1, 4
+    cap = {layer: (torch.randn(2, rows, d, generator=g), torch.randn(1, n, d, generator=g)) for layer in range(3)}
+    lowest = [[0], [0], [2]]
+    offsets = gate_offsets([cap], lowest, n_s, n_r, scaling=0.5)
+    assert offsets[0] == [0.0] and offsets[2] == [0.0]
+    diffs = []
+    for head in range(2):
+        for r in range(rows):
+            i = n - rows + r
+            dist = [j for j in range(n) if n_s <= j <= i - n_r]
+            own = [float(cap[1][0][head, r] @ cap[1][1][0, j]) * 0.5 for j in dist]
+            src = [float(cap[0][0][head, r] @ cap[0][1][0, j]) * 0.5 for j in dist]
+            diffs.append(math.log(sum(map(math.exp, own))) - math.log(sum(map(math.exp, src))))
+    assert offsets[1][0] == pytest.approx(sum(diffs) / len(diffs), abs=1e-5)
+    with pytest.raises(ValueError, match="no distant tokens"):
+        gate_offsets([cap], lowest, n_s, n_r=20, scaling=0.5)

@@ -17,11 +17,13 @@ import torch
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice
+from kvbench.methods.pod_attention import pod_sequence_attention
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
 
-GATES = ("paper",)
+GATES = ("paper", "calibrated")
+PREFILLS = ("shared", "full")
 
 
 def proximal_distant_masks(query_pos: torch.Tensor, key_pos: torch.Tensor, n_s: int, n_r: int):
@@ -98,8 +100,14 @@ class POD(Method):
     others not, all keys stay resident (the non-lowest heads still use the shared logits): with a per-KV-head map
     the realised saving is below the paper's per-head figure; a ``granularity: layer`` map realises all of it.
 
-    Prefill: the engine computes full attention with the backend, so POD's prefill-time score sharing (which the
-    paper's post-trained model uses for the prompt too) is not reproduced; only decode shares scores.
+    Prefill (``prefill="shared"``, default): the prompt is attended with the same eqs. 3-4 (the attention definition
+    changes in both phases, A5.4; a post-trained model, ``scripts/pod_adapt.py``, is trained with exactly this),
+    chunked over queries (``chunk``) and computed from the source layers' queries and keys, so no ``n x n`` matrix
+    is kept; ``prefill="full"``: standard attention for the prompt, sharing only at decode.
+
+    ``gate="calibrated"`` (A5.7 (b), training-free): the shared distant logits get a per-(layer, KV head) offset
+    ``b = E[lse_l(a^D_true) - lse_src(a^D)]`` estimated offline (``pod_grouping --calibrate``, stored in the block
+    map as ``gate_offsets`` for the map's ``n_s``/``n_r``), so ``g = sigmoid(lse a^P - lse a^D_src - b)``.
 
     ``tau``: gate threshold; in non-lowest layers, where ``g >= tau`` the distant part is skipped (1.0: never).
     ``block_map``: a JSON file from ``python -m kvbench.methods.pod_grouping``, or null for no sharing.
@@ -116,6 +124,8 @@ class POD(Method):
     block_map: str | None = None
     tau: float = 1.0
     gate: str = "paper"
+    prefill_mode: str = "shared"
+    chunk: int = 1024
     _map: dict | None = field(default=None, init=False, repr=False)
 
     def budget_label(self, budget: Budget) -> str:
@@ -127,6 +137,9 @@ class POD(Method):
         if not 0 < self.tau <= 1:
             raise ConfigError(f"method 'pod': tau={self.tau} must be in (0, 1]")
         check_choice(self.name, "gate", self.gate, GATES)
+        check_choice(self.name, "prefill_mode", self.prefill_mode, PREFILLS)
+        if self.chunk < 1:
+            raise ConfigError(f"method 'pod': chunk={self.chunk} must be >= 1")
         if self.block_map is not None:
             self._map = load_block_map(self.block_map)
             if self.delta is not None and self._map.get("delta") is not None and self._map["delta"] != self.delta:
@@ -134,11 +147,25 @@ class POD(Method):
                     f"method 'pod': delta={self.delta} but block_map {self.block_map!r} was built with "
                     f"delta={self._map['delta']}"
                 )
+        self._prompt_sources: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # prefill: src -> (queries, keys)
+        self._offsets: torch.Tensor | None = None  # (L, Hkv) calibrated-gate offsets
+        if self.gate == "calibrated":
+            self._offsets = self._calibration()
         self._lowest: list[list[int]] | None = None  # [layer][kv head] -> lowest layer of its block
         self._sources: set[int] = set()  # layers whose distant logits other layers use
         self._shared: dict[int, torch.Tensor] = {}  # source layer -> distant logits of this step (B, Hkv, g, q, T)
         self.skipped = 0  # (layer, head, query) distant parts skipped by the tau gate
         self.gated = 0
+
+    def _calibration(self) -> torch.Tensor:
+        cal = (self._map or {}).get("gate_offsets")
+        if not cal:
+            raise ConfigError("method 'pod': gate=calibrated needs a block_map with gate_offsets (write one with "
+                              "`python -m kvbench.methods.pod_grouping --calibrate ...`); valid gates without: paper")
+        if (cal["n_s"], cal["n_r"]) != (self.n_s, self.n_r):
+            raise ConfigError(f"method 'pod': gate_offsets of {self.block_map!r} were calibrated for n_s={cal['n_s']}, "
+                              f"n_r={cal['n_r']}, not n_s={self.n_s}, n_r={self.n_r}")
+        return torch.tensor(cal["offsets"], dtype=torch.float32)
 
     def describe(self) -> dict:
         return {k: v for k, v in super().describe().items() if not k.startswith("_")}
@@ -178,6 +205,30 @@ class POD(Method):
         layer.keys = torch.cat(parts, dim=2).contiguous()
 
     # ---- engine hooks --------------------------------------------------------------------------------------------
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        if ctx.layer_idx == 0:
+            self._shared.clear()
+            self._prompt_sources.clear()
+        if self.prefill_mode != "shared":
+            return None
+        lowest = self._structure(ctx.num_layers, ctx.num_kv_heads)
+        if ctx.layer_idx in self._sources:
+            self._prompt_sources[ctx.layer_idx] = (ctx.queries, layer.keys)
+        row = lowest[ctx.layer_idx]
+        if all(src == ctx.layer_idx for src in row):
+            return None  # standard attention: the backend's exact path
+        offsets = self._offsets[ctx.layer_idx].to(ctx.queries.device) if self._offsets is not None else None
+        out = pod_sequence_attention(ctx.queries, layer.keys, layer.values, ctx.scaling, row, ctx.layer_idx,
+                                     self._prompt_sources, self.n_s, self.n_r, ctx.key_valid, offsets, self.chunk)
+        for src in set(row) - {ctx.layer_idx}:  # free a source's prompt queries after the last layer that uses it
+            if all(lowest[later][h] != src for later in range(ctx.layer_idx + 1, ctx.num_layers)
+                   for h in range(ctx.num_kv_heads)):
+                self._prompt_sources.pop(src, None)
+        return out.to(layer.values.dtype)
+
+    def finish_prefill(self, layers: list[KVLayer], ctx: PrefillContext) -> None:
+        self._prompt_sources.clear()
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if ctx.layer_idx == 0:
             self._shared.clear()
@@ -225,6 +276,8 @@ class POD(Method):
         if not all(own):
             heads = [h for h in range(hkv) if not own[h]]
             shared = torch.stack([self._shared[lowest[h]][:, h] for h in heads], dim=1)
+            if self._offsets is not None:
+                shared = shared + self._offsets[ctx.layer_idx, heads].to(shared.device).view(1, -1, 1, 1, 1)
             logits_p = logits[:, heads].masked_fill(~prox_k.expand(b, hkv, 1, q, kept)[:, heads], float("-inf"))
             values_p = values[:, heads][:, :, key_entries].unsqueeze(2)
             combined, gate = gate_combine(logits_p, values_p, shared, values[:, heads].unsqueeze(2), self.tau)

@@ -111,6 +111,68 @@ def capture_attention(model, ids: torch.Tensor, q: int) -> torch.Tensor:
     return torch.stack([rows[i] for i in range(len(rows))]).cpu()
 
 
+def capture_qk(model, ids: torch.Tensor, q: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Post-RoPE queries of the last ``q`` tokens ``(Hq, q, D)`` and all keys ``(Hkv, n, D)`` per layer (float32)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = model.config._attn_implementation
+    backend = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        out[module.layer_idx] = (query[0, :, -q:].float().cpu(), key[0].float().cpu())
+        return backend(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kvbench_pod_qk", capture)
+    AttentionMaskInterface.register("kvbench_pod_qk", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation("kvbench_pod_qk")
+    try:
+        with torch.inference_mode():
+            model(ids.to(model.device), use_cache=False)
+    finally:
+        model.set_attn_implementation(base)
+    return out
+
+
+def gate_offsets(captures: list[dict[int, tuple[torch.Tensor, torch.Tensor]]], lowest: list[list[int]], n_s: int,
+                 n_r: int, scaling: float) -> list[list[float]]:
+    """Calibrated-gate offsets (methods.md A5.7 (b)): ``b[l][h] = E[lse_l(a^D_true) - lse_src(a^D)]`` over the
+    distant sets D_i of the captured query rows, the ``g`` query heads of KV head h and the samples; 0 where layer l
+    is the lowest of head h's block. Raises ValueError when no captured row has a distant token."""
+    num_layers, num_kv_heads = len(lowest), len(lowest[0])
+    offsets = [[0.0] * num_kv_heads for _ in range(num_layers)]
+    for layer in range(num_layers):
+        for h in range(num_kv_heads):
+            src = lowest[layer][h]
+            if src == layer:
+                continue
+            diffs = []
+            for cap in captures:
+                q_own, k_own = cap[layer]
+                q_src, k_src = cap[src]
+                hq, rows, _ = q_own.shape
+                g = hq // k_own.shape[0]
+                n = k_own.shape[1]
+                pos = torch.arange(n - rows, n).view(-1, 1)
+                j = torch.arange(n).view(1, -1)
+                distant = (j >= n_s) & (j <= pos - n_r)
+                has = distant.any(-1)
+                if not bool(has.any()):
+                    continue
+                heads = slice(h * g, (h + 1) * g)
+                own = (q_own[heads] @ k_own[h].T * scaling).masked_fill(~distant, float("-inf"))
+                shared = (q_src[heads] @ k_src[h].T * scaling).masked_fill(~distant, float("-inf"))
+                diff = torch.logsumexp(own, -1) - torch.logsumexp(shared, -1)  # (g, rows)
+                diffs.append(diff[:, has].flatten())
+            if not diffs:
+                raise ValueError(f"no distant tokens: the calibration texts must be longer than n_s + n_r = "
+                                 f"{n_s + n_r} tokens")
+            offsets[layer][h] = round(float(torch.cat(diffs).double().mean()), 6)
+    return offsets
+
+
 def sample_texts(tokenizer, samples: int, tokens: int) -> list[list[int]]:
     """The first ``samples`` Paul Graham essays (sorted by name), ``tokens`` tokens each (shorter essays are
     continued by the next ones)."""
@@ -160,15 +222,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per sample text")
     parser.add_argument("--q", type=int, default=16, help="last q query tokens per text (paper Fig 1(d): 16)")
     parser.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="also estimate the calibrated-gate offsets (method.gate=calibrated) for --n-s/--n-r")
+    parser.add_argument("--n-s", type=int, default=16, help="sinks the gate offsets are calibrated for")
+    parser.add_argument("--n-r", type=int, default=4080, help="recent window the gate offsets are calibrated for")
     args = parser.parse_args(argv)
     if not 0 <= args.delta <= 1:
         parser.error(f"--delta {args.delta} must be in [0, 1]")
+    if args.calibrate and args.n_s + args.n_r >= args.tokens:
+        parser.error(f"--calibrate: --n-s {args.n_s} + --n-r {args.n_r} must be below --tokens {args.tokens}, or no "
+                     "calibration token is distant")
     spec = spec_from_config(OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{args.model}.yaml")))
     loaded = load_model(spec)
     data = build_map(loaded.model, loaded.tokenizer, args.model, args.delta, args.samples, args.tokens, args.q,
                      args.granularity)
+    if args.calibrate:
+        from kvbench.methods.pod import lowest_layers
+
+        per_head = [data["blocks"]] * data["num_kv_heads"] if args.granularity == "layer" else data["blocks"]
+        by_head = [lowest_layers(b, data["num_layers"]) for b in per_head]
+        lowest = [[by_head[h][layer] for h in range(data["num_kv_heads"])] for layer in range(data["num_layers"])]
+        captures = [capture_qk(loaded.model, torch.tensor([ids]), args.q)
+                    for ids in sample_texts(loaded.tokenizer, args.samples, args.tokens)]
+        scaling = loaded.model.model.layers[0].self_attn.scaling
+        data["gate_offsets"] = {"n_s": args.n_s, "n_r": args.n_r,
+                                "offsets": gate_offsets(captures, lowest, args.n_s, args.n_r, scaling)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
+    if args.calibrate:
+        from kvbench.methods.pod import POD
+
+        POD(n_s=args.n_s, n_r=args.n_r, block_map=str(args.out), gate="calibrated")
     print(f"{args.out}: {args.granularity} blocks, saving (asymptotic) {data['saving_asymptotic']:.1%}, "
           f"realised by kvbench's cache {data['saving_realised_asymptotic']:.1%}")
 
