@@ -124,3 +124,28 @@ def test_refuses_batches_and_bad_fields():
     with pytest.raises(ConfigError, match="filter_layers"):
         OmniKV(filter_layers=[])
     assert OmniKV.supports_batching is False
+
+
+def test_context_bank_offload(toy_llama, caplog):
+    """offload=always: sparse layers' prompt KV leaves the cache for the bank and comes back as packed loads of the
+    selection; tokens and attended counts equal offload=off. offload=on on a CPU model is a logged no-op."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 250, (120,), generator=g).tolist()
+    b = Budget.parse(16)
+    runs = {}
+    for offload in ("off", "always", "on"):
+        method = build_method({"name": "omnikv", "filter_layers": [0], "wait_layers": 0, "offload": offload}, b)
+        with CompressionSession(toy_llama, method, b) as session:
+            out = greedy_generate(toy_llama, [prompt], 10, [255], 0)
+        runs[offload] = (out, session.stats, method)
+    off, always, on = runs["off"], runs["always"], runs["on"]
+    assert always[0].tokens == off[0].tokens == on[0].tokens
+    assert always[1].attended_tokens_mean == pytest.approx(off[1].attended_tokens_mean)
+    per_layer = 120 * 2 * 16 * 2 * 4
+    assert off[1].resident_kv_bytes_after_prefill == 3 * per_layer
+    assert always[1].resident_kv_bytes_after_prefill == per_layer  # only filter layer 0 keeps its prompt KV
+    assert sorted(always[2]._bank) == [1, 2] and always[2]._bank[1][0].shape[2] == 120
+    assert on[1].resident_kv_bytes_after_prefill == 3 * per_layer and not on[2]._bank
+    assert "context bank is a no-op" in caplog.text
+    with pytest.raises(ConfigError, match="offload='disk'.*off, on, always"):
+        OmniKV(offload="disk")

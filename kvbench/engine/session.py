@@ -160,6 +160,7 @@ class CompressionSession:
         else:
             out, valid, entries = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs)
         attended = int(valid.sum() // valid[..., 0].numel()) if valid is not None else entries
+        attended = ctx.attended if ctx.attended is not None else attended
         self.stats.attended_entries_sum += attended
         self.stats.decode_layer_calls += 1
         self.method.decode(layer, ctx)

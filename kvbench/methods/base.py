@@ -78,6 +78,9 @@ class DecodeContext:
     capacity: torch.Tensor
     scaling: float | None = None
     rope_inv_freq: torch.Tensor | None = None
+    #: entries the step attended per (row, head), set by a method's ``attend`` when they are not the layer's own
+    #: entries (OmniKV's context bank); None: the engine counts them
+    attended: int | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ reference/methods.md A3.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
@@ -20,6 +21,8 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
     from kvbench.engine.cache import KVLayer
 
 SELECTORS = ("last", "softmax_before_last", "uniform", "exp")
+OFFLOAD = ("off", "on", "always")
+log = logging.getLogger("kvbench")
 #: Llama-3-8B-262K's filter layers (the paper's main setting), as fractions of depth for models without their own.
 _LLAMA3_8B_FILTERS = (2, 8, 18)
 
@@ -45,6 +48,14 @@ class OmniKV(Method):
     selected and count against ``k``). Filter layers default to Llama-3-8B's {2, 8, 18} scaled to the model's depth;
     set ``filter_layers`` per model as the paper does (Yi-9B {6, 11, 30}, Llama-3.1-70B {4, 19, 41}).
     Batch size 1, as the official code (its index set is flattened over the batch).
+
+    ``offload="on"``: the paper's context bank (§3.3, A3.5). After prefill the prompt KV of every sparse layer moves
+    to pinned CPU memory; at each decode step the selected ``k`` tokens are gathered on the CPU into one contiguous
+    pinned buffer per layer and copied to the GPU in one transfer ("packed load"), then attended with the layer's
+    generated tokens (which stay on the GPU). Filter and dense layers keep their KV on the GPU. Outputs are those of
+    ``offload="off"``; resident (GPU) KV drops by the sparse layers' prompt KV. When the model is on the CPU there
+    is nothing to offload: ``on`` logs that it is a no-op and behaves as ``off``; ``always`` builds the bank anyway
+    (exercises the packed-load path on any device; saves nothing on a CPU).
     """
 
     name: ClassVar[str] = "omnikv"
@@ -54,11 +65,13 @@ class OmniKV(Method):
     selector: str = "last"
     window: int = 16
     mem_formula: bool = True
+    offload: str = "off"
     _budget: Budget | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_positive(self.name, window=self.window)
         check_choice(self.name, "selector", self.selector, SELECTORS)
+        check_choice(self.name, "offload", self.offload, OFFLOAD)
         if self.wait_layers < 0:
             raise ConfigError(f"method 'omnikv': wait_layers={self.wait_layers} must be >= 0")
         if self.filter_layers is not None and (not self.filter_layers or min(self.filter_layers) < 0):
@@ -67,6 +80,8 @@ class OmniKV(Method):
         self._selection: dict[int, torch.Tensor] = {}
         self._window_queries: dict[int, torch.Tensor] = {}
         self._prefill_len = 0
+        self._bank: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sparse layer -> prompt K, V on the CPU
+        self._said_noop = False
 
     def validate(self, budget: Budget) -> None:
         super().validate(budget)
@@ -124,6 +139,47 @@ class OmniKV(Method):
             self._prefill_len = ctx.n
         if ctx.layer_idx in self.filters(ctx.num_layers) and self.selector in ("uniform", "exp"):
             self._window_queries[ctx.layer_idx] = ctx.queries[..., -self.window :, :]
+
+    def finish_prefill(self, layers: list[KVLayer], ctx: PrefillContext) -> None:
+        self._bank.clear()
+        if self.offload == "off":
+            return
+        device = layers[0].keys.device
+        if device.type == "cpu" and self.offload == "on":
+            if not self._said_noop:
+                log.warning("omnikv offload=on: the model is on the CPU, so the context bank is a no-op (the KV "
+                            "already lives in CPU memory); offload=always builds it anyway")
+                self._said_noop = True
+            return
+        pin = device.type == "cuda"
+        for idx, layer in enumerate(layers):
+            if self._segment_filter(idx, len(layers)) is None:  # filter or dense layer: stays on the device
+                continue
+            n = self._prefill_len
+            bank_k, bank_v = layer.keys[:, :, :n].to("cpu"), layer.values[:, :, :n].to("cpu")
+            self._bank[idx] = (bank_k.pin_memory(), bank_v.pin_memory()) if pin else (bank_k, bank_v)
+            layer.keys, layer.values = layer.keys[:, :, n:].clone(), layer.values[:, :, n:].clone()
+
+    def attend(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
+        if ctx.layer_idx not in self._bank:
+            return None
+        bank_k, bank_v = self._bank[ctx.layer_idx]
+        chosen = self._selection.get(self._segment_filter(ctx.layer_idx, ctx.num_layers))
+        if chosen is not None:  # packed load: gather on the CPU into one buffer, one host-to-device copy each
+            index = chosen[0].to("cpu")
+            bank_k, bank_v = bank_k.index_select(2, index), bank_v.index_select(2, index)
+            if layer.keys.is_cuda:
+                bank_k, bank_v = bank_k.pin_memory(), bank_v.pin_memory()
+        device = layer.keys.device
+        keys = torch.cat([bank_k.to(device, non_blocking=True), layer.keys], dim=2)
+        values = torch.cat([bank_v.to(device, non_blocking=True), layer.values], dim=2)
+        from kvbench.engine.attention import grouped_attention
+
+        if ctx.query.shape[2] != 1:
+            raise ConfigError("method 'omnikv': offload supports one new token per decode step")
+        out, _ = grouped_attention(ctx.query, keys, values, None, ctx.scaling or ctx.query.shape[-1] ** -0.5)
+        ctx.attended = keys.shape[2]
+        return out
 
     def select(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
         if ctx.layer_idx in self.filters(ctx.num_layers):
