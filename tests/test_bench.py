@@ -1,0 +1,87 @@
+"""kvbench.bench: cells expand from the config, measurements land in the store and resume, targets are judged
+against FullKV, memory probes see real allocations, and the max-batch search is exact on a monotone predicate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kvbench.bench.measure import PeakMemory, largest_fitting
+from kvbench.bench.run import _run, expand, judge
+from kvbench.config import CONF_DIR
+from kvbench.errors import ConfigError
+
+
+def _cfg(tmp_path, *overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("bench", overrides=["model=tiny-random", "bench=smoke", f"paths.results_dir={tmp_path}",
+                                           *overrides])
+
+
+def test_smoke_bench_measures_stores_resumes_and_judges(tmp_path):
+    rows = _run(_cfg(tmp_path))
+    assert {(r["method"], r["batch_size"]) for r in rows} == {(m, b) for m in ("fullkv", "snapkv", "h2o")
+                                                               for b in (1, 2)}
+    store = tmp_path / "bench" / "tiny-random" / "smoke" / "cpu"
+    assert len((store / "cells.jsonl").read_text().splitlines()) == 6
+    per_token = 4 * 2 * 2 * 16 * 4  # tiny-random: 4 layers x 2 KV heads x (K, V) x 16 dims x fp32
+    for row in rows:
+        tokens = 256 if row["method"] == "fullkv" else 64
+        assert row["resident_kv_bytes"] == row["batch_size"] * tokens * per_token
+        assert row["prefill_seconds"] > 0 and row["decode_tokens_per_s"] > 0 and row["decode_steps"] == 3
+        assert row["prefill_peak_bytes"] is not None
+    verdicts = json.loads((store / "targets.json").read_text())["targets"]
+    assert all(v["ok"] for v in verdicts if v["metric"] == "resident_kv_bytes")
+    assert "| resident KV = the budget's bytes | snapkv@64 | 1 |" in (store / "targets.md").read_text()
+    assert _run(_cfg(tmp_path)) == rows  # resumed: nothing measured again
+    assert len((store / "cells.jsonl").read_text().splitlines()) == 6
+
+
+def test_judge_ratios_against_fullkv():
+    rows = [{"method": "fullkv", "budget": "full", "context_length": 8, "batch_size": 1, "prefill_seconds": 2.0},
+            {"method": "snapkv", "budget": "4", "context_length": 8, "batch_size": 1, "prefill_seconds": 2.2},
+            {"method": "h2o", "budget": "4", "context_length": 8, "batch_size": 1, "prefill_seconds": 2.9}]
+    targets = [{"name": "t", "metric": "prefill_seconds", "context_length": 8, "methods": ["snapkv", "h2o"],
+                "max_ratio": 1.5}]
+    out = judge(rows, targets, None)
+    assert [(v["method"], v["ratio"], v["ok"]) for v in out] == [("snapkv", 1.1, True), ("h2o", 1.45, True)]
+    targets[0]["max_ratio"] = 1.05
+    assert [v["ok"] for v in judge(rows, targets, None)] == [False, False]
+
+
+def test_bad_bench_configs(tmp_path):
+    cfg = _cfg(tmp_path, "bench.grids.0.metrics=[speed]")
+    with pytest.raises(ConfigError, match="metrics.*prefill, memory, decode, max_batch"):
+        expand(cfg.bench)
+    cfg = _cfg(tmp_path, "bench.grids.0.methods=[snapkvv]")
+    with pytest.raises(ConfigError, match="unknown method 'snapkvv'"):
+        _run(cfg)
+    out = subprocess.run([sys.executable, "-m", "kvbench.bench", "bench=fast"], capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown bench 'fast'; valid benches: " in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_peak_memory_sees_an_allocation():
+    with PeakMemory(torch.device("cpu")) as peak:
+        block = torch.ones(16 * 2**20)  # 64 MiB, touched
+        del block
+    if not PeakMemory.supported(torch.device("cpu")):
+        pytest.skip("no /proc/self/clear_refs on this OS")
+    assert 60 * 2**20 <= peak.bytes <= 200 * 2**20
+
+
+@pytest.mark.parametrize("limit", [0, 1, 5, 8, 13, 100])
+def test_largest_fitting_search(limit):
+    calls = []
+
+    def fits(b):
+        calls.append(b)
+        return b <= limit
+
+    assert largest_fitting(fits, upper=64) == min(limit, 64)
+    assert len(calls) <= 16
