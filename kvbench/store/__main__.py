@@ -1,0 +1,5 @@
+import sys
+
+from kvbench.store.verify import main
+
+sys.exit(main())
