@@ -334,8 +334,9 @@ class TestData:
         with pytest.raises(DataError, match=r"data_dir=.*nowhere.*not a directory"):
             LEvalTask(data_dir=str(tmp_path / "nowhere")).validate()
         with pytest.raises(DataError) as err:
-            LEvalTask(data_dir=str(FIXTURES), datasets=["quality", "tpo"]).validate()
-        assert "tpo.jsonl" in str(err.value) and str(FIXTURES) in str(err.value) and "\n" not in str(err.value)
+            LEvalTask(data_dir=str(FIXTURES), datasets=["quality", "tpo", "news_summ"]).validate()
+        message = str(err.value)
+        assert "has no tpo.jsonl, news_summ.jsonl" in message and str(FIXTURES) in message and "\n" not in message
 
     @pytest.mark.parametrize(("line", "shown"), [
         ('{"input": "d", "instructions": ["q"], "evaluation": "exam"}', r"no field\(s\) outputs"),

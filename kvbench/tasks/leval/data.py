@@ -28,17 +28,20 @@ def candidates(data_dir: Path, dataset: str, group: str, layout: dict[str, dict[
             data_dir / Path(hub).name / name]
 
 
-def local_file(task: str, data_dir: str, dataset: str, group: str, layout: dict[str, Any]) -> Path:
-    """The file of ``dataset`` under ``data_dir`` (DataError naming the directory and the places looked at)."""
+def local_files(task: str, data_dir: str, datasets: dict[str, str], layout: dict[str, Any]) -> dict[str, Path]:
+    """{dataset: file under ``data_dir``} for ``datasets`` ({dataset: group}); one DataError naming the directory and
+    every missing file otherwise."""
     directory = Path(data_dir).expanduser()
     if not directory.is_dir():
         raise DataError(f"task {task!r}: data_dir={data_dir!r} is not a directory (it must hold the official LEval "
-                        f"files, e.g. {dataset}.jsonl)")
-    for path in candidates(directory, dataset, group, layout):
-        if path.is_file():
-            return path
-    raise DataError(f"task {task!r}: data_dir={str(directory)!r} has no {dataset}.jsonl (looked flat, in "
-                    f"{layout['github_dirs'][group]}/ and {layout['hub'][group]}/)")
+                        f"files, e.g. {next(iter(datasets))}.jsonl)")
+    found = {d: next((path for path in candidates(directory, d, group, layout) if path.is_file()), None)
+             for d, group in datasets.items()}
+    missing = [f"{d}.jsonl" for d, path in found.items() if path is None]
+    if missing:
+        raise DataError(f"task {task!r}: data_dir={str(directory)!r} has no {', '.join(missing)} (looked flat, in "
+                        f"Closed-ended-tasks/ / Open-ended-tasks/ and LEval/Exam/ / LEval/Generation/)")
+    return found  # type: ignore[return-value]
 
 
 def hub_file(task: str, dataset: str, group: str, layout: dict[str, Any]) -> Path:
@@ -96,4 +99,4 @@ def _problem(row: Any) -> str | None:
     return None
 
 
-__all__ = ["HUB_REPO", "candidates", "hub_file", "local_file", "read_documents"]
+__all__ = ["HUB_REPO", "candidates", "hub_file", "local_files", "read_documents"]

@@ -21,7 +21,7 @@ from kvbench.errors import ConfigError, DataError
 from kvbench.tasks import check_bool, check_common, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.encoding import middle_truncate
-from kvbench.tasks.leval.data import hub_file, local_file, read_documents
+from kvbench.tasks.leval.data import hub_file, local_files, read_documents
 from kvbench.tasks.leval.scoring import DATASET2METRIC, DATASETS, PROTOCOL, SCI_FI, question_score, score_records
 
 CLOSED = frozenset(PROTOCOL["closed_ended"])
@@ -124,12 +124,10 @@ class LEvalTask(Task):
 
     def files(self) -> dict[str, Path]:
         """{dataset: official file}: from ``data_dir`` (DataError if missing) or the hub (downloads once)."""
-        out = {}
-        for dataset in self.datasets:
-            group = "closed_ended" if dataset in CLOSED else "open_ended"
-            out[dataset] = (local_file(self.name, self.data_dir, dataset, group, PROTOCOL) if self.data_dir is not None
-                            else hub_file(self.name, dataset, group, PROTOCOL))
-        return out
+        groups = {d: "closed_ended" if d in CLOSED else "open_ended" for d in self.datasets}
+        if self.data_dir is not None:
+            return local_files(self.name, self.data_dir, groups, PROTOCOL)
+        return {d: hub_file(self.name, d, group, PROTOCOL) for d, group in groups.items()}
 
     def prepare_data(self) -> None:
         self.files()
