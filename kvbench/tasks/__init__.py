@@ -29,12 +29,14 @@ TASKS = Registry(
         "longbench": "kvbench.tasks.longbench:LongBenchTask",
         "longbench_e": "kvbench.tasks.longbench:LongBenchETask",
         "longbench_zh": "kvbench.tasks.longbench:LongBenchZhTask",
+        "leval": "kvbench.tasks.leval:LEvalTask",
+        "zeroscrolls": "kvbench.tasks.zeroscrolls:ZeroScrollsTask",
     },
     pending={
         name: _BENCHMARKS
         for name in (
             "infinitebench", "ruler", "pg19", "gsm8k", "coqa",
-            "truthfulqa", "leval", "zeroscrolls",
+            "truthfulqa",
         )
     },
 )

@@ -64,6 +64,14 @@ class Task(ABC):
         """Whether this sample's prompt goes into the chat template (LongBench: not for its few-shot/code sets)."""
         return self.chat_template
 
+    def truncate_prompt(self, sample: Sample, tokenizer: Any, max_tokens: int) -> str:
+        """``sample.prompt`` fitted into ``max_tokens`` tokens, before any chat template. Default: LongBench's middle
+        truncation (``kvbench.tasks.encoding.middle_truncate``). LEval and ZeroSCROLLS override it: they cut only
+        their document, the way their official scripts do, and keep the question."""
+        from kvbench.tasks.encoding import middle_truncate
+
+        return middle_truncate(sample.prompt, tokenizer, max_tokens)
+
     def prepare_data(self) -> None:
         """Make the data available (download, unpack) before any model loads; fails with DataError."""
 

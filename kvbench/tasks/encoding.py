@@ -51,7 +51,7 @@ def uses_chat_template(task: Task, spec: ModelSpec, tokenizer: Any, sample: Samp
 def render_prompt(task: Task, sample: Sample, tokenizer: Any, spec: ModelSpec) -> tuple[str, bool]:
     """The full prompt text (after truncation and chat template, with the assistant prefix) and whether the chat
     template was applied (then the text already holds the special tokens and is encoded without adding more)."""
-    prompt = middle_truncate(sample.prompt, tokenizer, prompt_token_budget(task, spec, sample))
+    prompt = task.truncate_prompt(sample, tokenizer, prompt_token_budget(task, spec, sample))
     if uses_chat_template(task, spec, tokenizer, sample):
         messages = [{"role": "system", "content": sample.system}] if sample.system else []
         messages.append({"role": "user", "content": prompt})
@@ -63,7 +63,8 @@ def render_prompt(task: Task, sample: Sample, tokenizer: Any, spec: ModelSpec) -
 def encode_sample(task: Task, sample: Sample, tokenizer: Any, spec: ModelSpec) -> list[int]:
     """Token ids of one sample as the task's protocol feeds them to ``spec``'s model.
 
-    1. Middle-truncate ``sample.prompt`` to ``prompt_token_budget(task, spec)`` tokens if longer.
+    1. Fit ``sample.prompt`` into ``prompt_token_budget(task, spec)`` tokens: ``task.truncate_prompt`` (middle
+       truncation unless the task cuts its own way).
     2. Chat template on (``task.chat_template and spec.chat_template`` and the tokenizer has one):
        ``apply_chat_template([system?, user], add_generation_prompt=True, tokenize=False) + assistant_prefix``,
        encoded with ``add_special_tokens=False`` (the template carries BOS where the model wants it).
