@@ -28,6 +28,7 @@ from kvbench.report.figures import nll_curve
 from kvbench.report.ours import Lookup, Target
 from kvbench.report.paper import load_raw
 from kvbench.report.render import to_csv, to_frame, to_latex, to_markdown
+from kvbench.report.runs import groups, runs_table
 from kvbench.report.similarity import filter_ability, filter_similarity
 from kvbench.report.specs import Derived, get_spec, load_specs, select_specs
 from kvbench.report.store import load_runs, method_label, records
@@ -256,6 +257,18 @@ def test_ours_and_delta_and_retention_from_a_store(tmp_path):
     # a POD row in a POD-adapted table says what it is
     pod = build_table(get_spec("POD", "Table 1"), runs)
     assert any("needs post-training; ours: POD-TF" in r.label for r in pod.rows)
+
+
+def test_runs_of_one_task_with_different_protocols_are_kept_apart(tmp_path):
+    """needle and needle_chat are both task "needle": their tables and figures must not mix."""
+    write_job(tmp_path, "m", "needle", {"name": "fullkv"}, "full", {"score": 1.0}, {"chat_template": True})
+    write_job(tmp_path, "m", "needle", {"name": "fullkv"}, "full", {"score": 2.0}, {"chat_template": False})
+    write_job(tmp_path, "m", "needle", {"name": "pod", "n_s": 16}, "window16+4080", {"score": 1.5},
+              {"chat_template": False})
+    runs = load_runs(tmp_path)
+    assert sorted(groups(runs)) == [("m", "needle", "chat_template=False"), ("m", "needle", "chat_template=True")]
+    table = runs_table(runs, "m", "needle", "chat_template=False")
+    assert list(table["method"]) == ["fullkv", "POD-TF"] and list(table["% FullKV"]) == ["100.0", "75.0"]
 
 
 def test_lookup_prefers_the_exact_variant_then_more_samples(tmp_path):

@@ -71,14 +71,15 @@ def write_run_tables(runs, out: Path) -> list[tuple[str, Path, str]]:
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for model, task, variant in groups(runs):
-        frame = runs_table(runs, model, task, variant)
-        name = "runs_" + group_name(model, task, variant)
+    for model, task, protocol in groups(runs):
+        frame = runs_table(runs, model, task, protocol)
+        name = "runs_" + group_name(model, task, protocol)
+        title = f"{task}{f' ({protocol})' if protocol else ''}: {model}"
         markdown = frame_to_markdown(frame)
-        (out / f"{name}.md").write_text(f"### {task}: {model}\n\n{markdown}", encoding="utf-8")
+        (out / f"{name}.md").write_text(f"### {title}\n\n{markdown}", encoding="utf-8")
         (out / f"{name}.csv").write_text(frame_to_csv(frame), encoding="utf-8")
-        (out / f"{name}.tex").write_text(frame_to_latex(frame, f"{task} on {model}", f"tab:{name}"), encoding="utf-8")
-        written.append((f"{task}: {model}", out / f"{name}.md", markdown))
+        (out / f"{name}.tex").write_text(frame_to_latex(frame, title, f"tab:{name}"), encoding="utf-8")
+        written.append((title, out / f"{name}.md", markdown))
     return written
 
 

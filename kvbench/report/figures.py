@@ -34,7 +34,7 @@ from kvbench.report import store
 from kvbench.report.store import budget_order
 
 # one colour per method, stable across figures
-_ORDER = ["fullkv", "streamingllm", "h2o", "snapkv", "pyramidkv", "dynamickv", "d2o", "kvmerger", "omnikv", "pod",
+_ORDER = ["fullkv", "streamingllm", "h2o", "snapkv", "pyramidkv", "dynamickv", "d2o", "kvmerger", "omnikv", "POD-TF",
           "local", "cam", "roco", "quest", "infllm", "lminfinite", "pyramidinfer", "sirllm", "lococo", "cla"]
 _NEEDLE_COLOURS = ["#F0496E", "#EBB839", "#0CD79F"]
 
@@ -94,7 +94,7 @@ def needle_heatmaps(runs: pd.DataFrame, out: Path) -> list[Path]:
     cmap = LinearSegmentedColormap.from_list("needle", _NEEDLE_COLOURS)
     paths = []
     with_grid = runs[runs["scores"].map(lambda s: bool(s.get("grid")))]
-    for (model, task), group in with_grid.groupby(["model", "task"], sort=True):
+    for (model, task, protocol), group in with_grid.groupby(["model", "task", "protocol"], sort=True):
         group = _sorted(group)
         vmax = 10.0 if str(group["metric"].iloc[0]).endswith("x10") else 100.0
         cols = min(4, len(group))
@@ -115,8 +115,8 @@ def needle_heatmaps(runs: pd.DataFrame, out: Path) -> list[Path]:
         for ax in list(axes.flat)[len(group):]:
             ax.axis("off")
         fig.colorbar(image, ax=axes, label=str(group["metric"].iloc[0]), shrink=0.6)
-        fig.suptitle(f"{task}: {model}")
-        paths += save(fig, out, slug("needle", model, task))
+        fig.suptitle(f"{task}{f' ({protocol})' if protocol else ''}: {model}")
+        paths += save(fig, out, slug("needle", model, task, protocol))
     return paths
 
 
@@ -136,7 +136,7 @@ def _kind(budget: str) -> str | None:
 def budget_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
     plt = _plt()
     paths = []
-    for (model, task, variant), group in runs.groupby(["model", "task", "variant"], sort=True):
+    for (model, task, protocol), group in runs.groupby(["model", "task", "protocol"], sort=True):
         full = group[group["method"] == "fullkv"]
         for kind in ("tokens", "ratio"):
             part = group[group["budget"].map(_kind) == kind]
@@ -155,11 +155,11 @@ def budget_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
             else:
                 ax.set_xlabel("KV budget (fraction of the prompt)")
             ax.set_ylabel(str(group["metric"].iloc[0]))
-            ax.set_title(f"{task}{' ' + variant if variant and variant != task else ''}: {model}")
+            ax.set_title(f"{task}{f' ({protocol})' if protocol else ''}: {model}")
             ax.legend(fontsize=7, frameon=False)
             ax.grid(alpha=0.3)
             fig.tight_layout()
-            paths += save(fig, out, slug("budget", model, task, kind))
+            paths += save(fig, out, slug("budget", model, task, protocol, kind))
     return paths
 
 
@@ -185,7 +185,8 @@ def layer_allocations(runs: pd.DataFrame, results_dir: Path, out: Path) -> list[
     plt = _plt()
     paths = []
     compressed = runs[runs["method"] != "fullkv"]
-    for (model, task, budget), group in compressed.groupby(["model", "task", "budget"], sort=True):
+    for (model, task, protocol, budget), group in compressed.groupby(["model", "task", "protocol", "budget"],
+                                                                       sort=True):
         ratio = _kind(budget) == "ratio"
         profiles = {}
         for run in _sorted(group).to_dict("records"):
@@ -199,11 +200,12 @@ def layer_allocations(runs: pd.DataFrame, results_dir: Path, out: Path) -> list[
             ax.plot(range(len(profile)), profile, marker=".", label=label, color=colour(label))
         _layer_axis(ax)
         ax.set_ylabel("fraction of the prompt kept" if ratio else "KV entries kept (mean over heads)")
-        ax.set_title(f"per-layer cache after prefill, {task} @ {budget}: {model}")
+        ax.set_title(f"per-layer cache after prefill, {task}{f' ({protocol})' if protocol else ''} @ {budget}: "
+                     f"{model}")
         ax.legend(fontsize=7, frameon=False)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        paths += save(fig, out, slug("layers", model, task, budget))
+        paths += save(fig, out, slug("layers", model, task, protocol, budget))
     # by task / dataset, for each layer-adaptive method configuration
     for (model, label, budget), group in compressed.groupby(["model", "method_label", "budget"], sort=True):
         ratio = _kind(budget) == "ratio"

@@ -21,7 +21,7 @@ def _num(value: float | None, decimals: int, sign: bool = False) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     text = f"{value:+.{decimals}f}" if sign else f"{value:.{decimals}f}"
-    return "0" + text[2:] if text.startswith("-0") and float(text) == 0 else text.replace("+0.00", "0.00")
+    return f"{0:.{decimals}f}" if float(text) == 0 else text  # no "-0.00" / "+0.00"
 
 
 def _aggregation(table: PaperTable) -> str:

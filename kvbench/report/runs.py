@@ -11,6 +11,7 @@ job hash (the directory name under ``runs/``). This is what a CPU miniature repo
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
@@ -26,20 +27,21 @@ def _fmt(value: object, decimals: int = 2) -> str:
 
 
 def groups(runs: pd.DataFrame) -> list[tuple[str, str, str]]:
-    """The (model, task, variant) groups present, sorted."""
+    """The (model, task, protocol) groups present, sorted (``protocol``: see ``store.load_runs``)."""
     if runs.empty:
         return []
-    return sorted({(r.model, r.task, r.variant) for r in runs.itertuples(index=False)})
+    return sorted({(r.model, r.task, r.protocol) for r in runs.itertuples(index=False)})
 
 
-def group_name(model: str, task: str, variant: str) -> str:
-    suffix = f"_{variant}" if variant and variant != task else ""
-    return f"{model}_{task}{suffix}"
+def group_name(model: str, task: str, protocol: str) -> str:
+    """File-name stem of a group: ``tiny-random_needle`` or ``smollm2-135m_needle_chat_template=True``."""
+    suffix = f"_{protocol}" if protocol else ""
+    return re.sub(r"[^A-Za-z0-9._=+,-]+", "-", f"{model}_{task}{suffix}")
 
 
-def runs_table(runs: pd.DataFrame, model: str, task: str, variant: str = "") -> pd.DataFrame:
-    """One (model, task) group as a table of strings (see the module docstring)."""
-    sel = runs[(runs["model"] == model) & (runs["task"] == task) & (runs["variant"] == variant)].copy()
+def runs_table(runs: pd.DataFrame, model: str, task: str, protocol: str = "") -> pd.DataFrame:
+    """One (model, task, protocol) group as a table of strings (see the module docstring)."""
+    sel = runs[(runs["model"] == model) & (runs["task"] == task) & (runs["protocol"] == protocol)].copy()
     sel["_m"] = sel["method"].map(lambda m: 0 if m == "fullkv" else 1)
     sel["_b"] = sel["budget"].map(budget_order)
     sel = sel.sort_values(["_m", "method_label", "_b", "hash"], kind="stable")

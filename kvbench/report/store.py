@@ -5,8 +5,11 @@ A job directory (``kvbench.store``) is ``<results>/runs/<model>/<task>/<method>/
 a job without it is unfinished and skipped here). ``load_runs`` reads ``config.yaml`` and ``scores.json`` only;
 ``records`` and ``meta`` read the rest on demand (figures).
 
-Columns of ``load_runs``: ``model, task, variant, method, method_cfg`` (the method's fields as in the key),
-``method_label`` (``h2o[variant=prefill_only]``: the name plus fields that differ from the method's defaults),
+Columns of ``load_runs``: ``model, task, variant`` (LongBench's ``longbench``/``longbench_e``), ``protocol`` (the task
+fields that differ between this model's runs of the task, e.g. ``chat_template=True`` for ``needle_chat`` beside
+``needle``; empty when all agree), ``method, method_cfg`` (the method's fields as in the key),
+``method_label`` (``h2o[variant=prefill_only]``: the name plus fields that differ from the method's defaults; POD is
+``POD-TF``, kvbench's training-free POD),
 ``budget, metric, score, n_samples, limit, hash, path`` (relative to the results directory), ``task_cfg`` (the
 task protocol of the key) and ``scores`` (the parsed ``scores.json``). Rows are sorted by model, task, method label,
 budget and hash, so every reader sees the same order.
@@ -26,8 +29,8 @@ import yaml
 
 from kvbench.store import canonical_json
 
-RUN_COLUMNS = ["model", "task", "variant", "method", "method_label", "budget", "metric", "score", "n_samples",
-               "limit", "hash", "path", "method_cfg", "task_cfg", "scores"]
+RUN_COLUMNS = ["model", "task", "variant", "protocol", "method", "method_label", "budget", "metric", "score",
+               "n_samples", "limit", "hash", "path", "method_cfg", "task_cfg", "scores"]
 
 
 def job_dirs(results_dir: str | Path) -> list[Path]:
@@ -84,8 +87,11 @@ def _fmt(value: Any) -> str:
 
 def method_label(method_cfg: dict[str, Any]) -> str:
     """``h2o`` or ``h2o[variant=prefill_only]``: the method name plus its non-default fields, sorted."""
+    from kvbench.report.names import OUR_LABELS
+
     extra = non_default_fields(method_cfg)
     name = str(method_cfg.get("name", "?"))
+    name = OUR_LABELS.get(name, name)
     return name if not extra else name + "[" + ",".join(f"{k}={_fmt(v)}" for k, v in sorted(extra.items())) + "]"
 
 
@@ -103,6 +109,7 @@ def read_run(path: Path, results_dir: Path) -> dict[str, Any] | None:
         "model": str(scores.get("model") or (key.get("model") or {}).get("name", "?")),
         "task": str(scores.get("task") or task_cfg.get("task", "?")),
         "variant": str(task_cfg.get("variant") or ""),
+        "protocol": "",
         "method": str(method_cfg.get("name", "?")),
         "method_label": method_label(method_cfg),
         "budget": str(scores.get("budget") or key.get("budget", "?")),
@@ -136,9 +143,23 @@ def load_runs(results_dir: str | Path) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=RUN_COLUMNS)
     if frame.empty:
         return frame
+    frame["protocol"] = _protocols(frame)
     frame["_b"] = frame["budget"].map(budget_order)
-    frame = frame.sort_values(["model", "task", "variant", "method_label", "_b", "hash"], kind="stable")
+    frame = frame.sort_values(["model", "task", "protocol", "method_label", "_b", "hash"], kind="stable")
     return frame.drop(columns="_b").reset_index(drop=True)
+
+
+def _protocols(frame: pd.DataFrame) -> pd.Series:
+    """Per run, ``key=value`` of the task fields that vary among the runs of the same model and task."""
+    out = pd.Series("", index=frame.index)
+    for _, group in frame.groupby(["model", "task"], sort=False):
+        configs = {i: {k: canonical_json(v) for k, v in cfg.items() if k != "fields"}
+                   for i, cfg in zip(group.index, group["task_cfg"])}
+        keys = sorted({k for c in configs.values() for k in c})
+        varying = [k for k in keys if len({c.get(k) for c in configs.values()}) > 1]
+        for i in configs:
+            out[i] = ",".join(f"{k}={_fmt(frame.at[i, 'task_cfg'].get(k))}" for k in varying)
+    return out
 
 
 def sub_scores(scores: dict[str, Any]) -> dict[str, float]:
