@@ -95,10 +95,11 @@ def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables:
     paper = write_paper_tables(load_specs(), runs, tables_dir, ours_models,
                                only_with_ours=paper_tables == "with_ours") if paper_tables != "none" else []
     figures = make_figures(results, figures_dir, runs)
-    lines = [f"# Report: {results.name}", "",
-             f"Regenerate: `python -m kvbench.report all --results {results.as_posix()} --out {out.as_posix()}`"
-             + "".join(f" --ours-model {k + '=' if k != '*' else ''}{v}" for k, v in sorted(ours_models.items())),
-             "", f"{len(runs)} finished runs.", ""]
+    command = f"python -m kvbench.report all --results {results.as_posix()} --out {out.as_posix()}"
+    command += "".join(f" --ours-model {k + '=' if k != '*' else ''}{v}" for k, v in sorted(ours_models.items()))
+    if paper_tables != "with_ours":
+        command += f" --paper-tables {paper_tables}"
+    lines = [f"# Report: {results.as_posix()}", "", f"Regenerate: `{command}`", "", f"{len(runs)} finished runs.", ""]
     for title, path, markdown in run_tables:
         lines += [f"## {title}", "", markdown, f"(`{path.relative_to(out).as_posix()}`, also `.csv`, `.tex`)", ""]
     if paper:
