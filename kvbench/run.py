@@ -221,6 +221,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
                     "layer_entries": stats.layer_entries_after_prefill,
                     "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
                 }
+                method_stats = job.method.sample_stats(row)
+                if method_stats:
+                    record["method_stats"] = method_stats
                 jobdir.append_record(record)
                 bar.update(1)
         bar.close()

@@ -143,6 +143,12 @@ class Method:
 
         return {"name": self.name, **asdict(self)}
 
+    def sample_stats(self, row: int) -> dict:
+        """Per-layer decisions of the last prefill for batch row ``row`` as JSON data (lists of numbers), stored in
+        that sample's record under ``method_stats`` for the report's figures (D2O's layer variances, DynamicKV's and
+        D2O's allocations, KVMerger's per-layer ratios). Default: nothing."""
+        return {}
+
 
 def check_positive(method: str, **fields: float) -> None:
     for key, value in fields.items():

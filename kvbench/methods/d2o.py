@@ -101,6 +101,13 @@ class D2O(Method):
     def min_budget_tokens(self) -> int:
         return self.sink_size + 2
 
+    def sample_stats(self, row: int) -> dict:
+        """``layer_variance``: F_l per layer (Figure 4's quantity); ``layer_allocation``: realised S_l per layer."""
+        if row >= len(self.last_density):
+            return {}
+        return {"layer_variance": [float(x) for x in self.last_density[row]],
+                "layer_allocation": [int(x) for x in self.last_allocation[row]]}
+
     def min_budget_reason(self) -> str:
         return f"{self.sink_size} sinks, one heavy hitter and one recent token"
 

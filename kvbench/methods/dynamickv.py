@@ -187,6 +187,13 @@ class DynamicKV(Method):
         if ctx.layer_idx % self.update_interval == self.update_interval - 1 and ctx.layer_idx < ctx.num_layers - 1:
             self._update(ctx.num_layers, final=False)
 
+    def sample_stats(self, row: int) -> dict:
+        """``layer_allocation``: entries per layer of ``row`` after the final re-allocation (window included; KV
+        head 0), the data of the paper's Figure 2."""
+        if row >= len(self.last_allocations):
+            return {}
+        return {"layer_allocation": [int(x) for x in self.last_allocations[row]]}
+
     def finish_prefill(self, layers: list[KVLayer], ctx: PrefillContext) -> None:
         if self._scores:
             if len(self._layers) != len(layers) or any(a is not b for a, b in zip(self._layers, layers)):

@@ -168,6 +168,14 @@ class KVMerger(Method):
     def describe(self) -> dict:
         return {k: v for k, v in super().describe().items() if not k.startswith("_")}
 
+    def sample_stats(self, row: int) -> dict:
+        """``layer_ratio`` / ``layer_theta``: kept fraction of the prompt and theta per layer (the paper's Fig. 3b/9),
+        means over the batch's rows and heads."""
+        if not self.last_ratios:
+            return {}
+        return {"layer_ratio": [float(x) for x in self.last_ratios],
+                "layer_theta": [float(x) for x in self.last_thetas]}
+
     def min_budget_tokens(self) -> int:
         return 2
 

@@ -1,0 +1,5 @@
+import sys
+
+from kvbench.report.cli import main
+
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""Experiment-agnostic tables: whatever is in a results directory, one table per (model, task).
+
+Rows are the method configurations (``h2o[variant=prefill_only]``) × budgets that were run, FullKV first, budgets
+in increasing order; columns are the task's score, its "% of FullKV" (when the same model and task has a FullKV
+run), the task's parts (LongBench datasets, needle/passkey lengths averaged over depths, 2StageRetr dict sizes), the
+number of samples, resident KV after prefill (MiB, mean over samples), prefill seconds and decode ms/token, and the
+job hash (the directory name under ``runs/``). This is what a CPU miniature reports; the paper-layout tables
+(``tables.py``) need the papers' models.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pandas as pd
+
+from kvbench.report.store import budget_order, sub_scores
+
+
+def _fmt(value: object, decimals: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, (int, float)):
+        return f"{value:.{decimals}f}"
+    return str(value)
+
+
+def groups(runs: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """The (model, task, protocol) groups present, sorted (``protocol``: see ``store.load_runs``)."""
+    if runs.empty:
+        return []
+    return sorted({(r.model, r.task, r.protocol) for r in runs.itertuples(index=False)})
+
+
+def group_name(model: str, task: str, protocol: str) -> str:
+    """File-name stem of a group: ``tiny-random_needle`` or ``smollm2-135m_needle_chat_template=True``."""
+    suffix = f"_{protocol}" if protocol else ""
+    return re.sub(r"[^A-Za-z0-9._=+,-]+", "-", f"{model}_{task}{suffix}")
+
+
+def runs_table(runs: pd.DataFrame, model: str, task: str, protocol: str = "") -> pd.DataFrame:
+    """One (model, task, protocol) group as a table of strings (see the module docstring)."""
+    sel = runs[(runs["model"] == model) & (runs["task"] == task) & (runs["protocol"] == protocol)].copy()
+    sel["_m"] = sel["method"].map(lambda m: 0 if m == "fullkv" else 1)
+    sel["_b"] = sel["budget"].map(budget_order)
+    sel = sel.sort_values(["_m", "method_label", "_b", "hash"], kind="stable")
+    full = sel[sel["method"] == "fullkv"]
+    full_score = float(full["score"].iloc[0]) if not full.empty else math.nan
+    metric = str(sel["metric"].iloc[0]) if not sel.empty else "score"
+    parts: list[str] = []
+    for scores in sel["scores"]:
+        for key in sub_scores(scores):
+            if key not in parts:
+                parts.append(key)
+    rows = []
+    for run in sel.to_dict("records"):
+        scores = run["scores"]
+        row = {"method": run["method_label"], "budget": run["budget"], metric: _fmt(run["score"])}
+        row["% FullKV"] = _fmt(100 * run["score"] / full_score, 1) if full_score and not math.isnan(full_score) else ""
+        subs = sub_scores(scores)
+        for key in parts:
+            row[key] = _fmt(subs.get(key))
+        row["n"] = str(run["n_samples"])
+        kv = scores.get("resident_kv_bytes_mean")
+        row["KV MiB"] = _fmt(kv / 2**20 if isinstance(kv, (int, float)) else None, 3)
+        row["prefill s"] = _fmt(scores.get("prefill_seconds_mean"), 3)
+        row["decode ms/tok"] = _fmt(scores.get("decode_ms_per_token"), 1)
+        row["run"] = run["hash"]
+        rows.append(row)
+    columns = ["method", "budget", metric, "% FullKV", *parts, "n", "KV MiB", "prefill s", "decode ms/tok", "run"]
+    return pd.DataFrame(rows, columns=columns)

@@ -1,0 +1,12 @@
+"""The papers' tables with kvbench's numbers beside them: a thin wrapper of ``python -m kvbench.report tables``.
+
+    python scripts/make_tables.py                                  # every table, Markdown on stdout
+    python scripts/make_tables.py --results results --out results/report/tables --tables DynamicKV:1 D2O:21
+"""
+
+import sys
+
+from kvbench.report.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["tables", *sys.argv[1:]]))
