@@ -380,9 +380,12 @@ class TestData:
     def test_offline_download_is_one_clear_line(self, monkeypatch):
         import huggingface_hub
 
+        calls = []
+
         def offline(**kwargs):
-            assert kwargs == {"repo_id": "xinrongzhang2022/InfiniteBench", "filename": "passkey.jsonl",
-                              "repo_type": "dataset"}
+            calls.append(kwargs)
+            assert {k: kwargs[k] for k in ("repo_id", "filename", "repo_type")} == {
+                "repo_id": "xinrongzhang2022/InfiniteBench", "filename": "passkey.jsonl", "repo_type": "dataset"}
             raise OSError("We couldn't connect to 'https://huggingface.co'\nto load this file.")
 
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
@@ -392,6 +395,7 @@ class TestData:
             task.prepare_data()
         message = str(err.value)
         assert "\n" not in message and "task.data_dir" in message and "xinrongzhang2022/InfiniteBench" in message
+        assert [c.get("local_files_only", False) for c in calls] == [True, False]  # the cache first
 
     def test_download_reads_the_hub_cache_file(self, monkeypatch):
         import huggingface_hub
@@ -400,7 +404,7 @@ class TestData:
         monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                             lambda **kw: calls.append(kw["filename"]) or str(FIXTURES / kw["filename"]))
         samples = InfiniteBenchTask(datasets=["code_run", "passkey"]).samples(None)
-        assert calls == ["code_run.jsonl", "passkey.jsonl"] and len(samples) == 5
+        assert calls == ["code_run.jsonl", "passkey.jsonl"] and len(samples) == 5  # found in the cache
 
 
 # ---- the real model -------------------------------------------------------------------------------------------------

@@ -40,12 +40,17 @@ def check_data_dir(task_name: str, data_dir: str, tasks: list[str]) -> Path:
 
 
 def download_official(task_name: str, task: str) -> Path:
-    """Path of ``<task>.jsonl`` in the hub cache, downloading it once. Any failure (offline, hub errors) is one
-    DataError line naming ``task.data_dir`` as the way out."""
-    try:
-        import huggingface_hub
+    """Path of ``<task>.jsonl`` in the hub cache (looked up there first), else downloaded once. Any failure
+    (offline, hub errors) is one DataError line naming ``task.data_dir`` as the way out."""
+    import huggingface_hub
 
-        return Path(huggingface_hub.hf_hub_download(repo_id=HUB_REPO, filename=file_name(task), repo_type="dataset"))
+    request = {"repo_id": HUB_REPO, "filename": file_name(task), "repo_type": "dataset"}
+    try:  # a file already in the hub cache needs no network (offline, the hub client retries for ~30 s per file)
+        return Path(huggingface_hub.hf_hub_download(**request, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(huggingface_hub.hf_hub_download(**request))
     except Exception as exc:  # offline, gated, renamed: all mean "use a local copy"
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise DataError(
