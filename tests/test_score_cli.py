@@ -146,7 +146,7 @@ def _run_job(tmp_path, monkeypatch, overrides):
         (["task=longbench", f"task.data_dir={FIXTURES / 'longbench'}",
           "task.datasets=[passage_retrieval_en,lcc,multifieldqa_zh]"],
          "longbench", ("datasets", "counts", "score", "categories", "leaderboard_avg")),
-        (["task=longbench_e", f"task.data_dir={FIXTURES / 'longbench'}", "task.datasets=[hotpotqa,trec]", "limit=5"],
+        (["task=longbench_e", f"task.data_dir={FIXTURES / 'longbench'}", "task.datasets=[hotpotqa,trec]", "limit=3"],
          "longbench_e", ("datasets", "score", "buckets", "bucket_avg")),
         (["task=infinitebench", f"task.data_dir={FIXTURES / 'infinitebench'}",
           "task.datasets=[passkey,longbook_choice_eng,math_find,code_run,code_debug]"],
