@@ -8,9 +8,10 @@ be compared with kvbench's and with the official code's. One JSON object per lin
     {"dataset": "qasper", "prediction": "...", "answers": ["..."], "length": 5310}        # LongBench-E buckets
     {"dataset": "code_run", "prediction": "The value is 14", "answers": [14]}             # InfiniteBench
 
-Accepted as well: a kvbench job's ``samples.jsonl`` as it is (``dataset``, ``all_classes``, ``length``, ``options``
-and ``label`` are read from each record's ``meta``), and the official InfiniteBench results files
-``preds_<task>.jsonl`` (``pred``/``prediction`` with ``label``/``ground_truth``; name the task with ``--dataset``).
+Accepted as well: a kvbench job's ``samples.jsonl`` as it is (``dataset``, ``all_classes``, ``length``, ``options``,
+``label``, and LEval's ``part`` and ``question_index`` are read from each record's ``meta``), and the official
+InfiniteBench results files ``preds_<task>.jsonl`` (``pred``/``prediction`` with ``label``/``ground_truth``; name the
+task with ``--dataset``).
 
 Each benchmark package provides ``kvbench/tasks/<bench>/scoring.py`` with ``score_records(records) -> {"datasets":
 {name: score}, ...aggregates}``, loaded lazily; a benchmark whose module has not landed exits 2 with one line. Any
@@ -40,7 +41,7 @@ BENCHMARKS: dict[str, str] = {
     "zeroscrolls": "kvbench.tasks.zeroscrolls.scoring:score_records",
 }
 ALIASES = {"prediction": ("prediction", "pred"), "answers": ("answers", "ground_truth")}
-FROM_META = ("dataset", "all_classes", "length", "options", "label")
+FROM_META = ("dataset", "all_classes", "length", "options", "label", "part", "question_index")
 
 
 class UsageError(KVBenchError):
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--math-calc-drop-first", action="store_true",
                         help="InfiniteBench math_calc: drop the first predicted number, as compute_scores.py does for "
                              "--model_name gpt4 (its default model name)")
+    parser.add_argument("--rouge-aggregation", choices=("instance", "corpus"),
+                        help="ZeroSCROLLS ROUGE aggregation (the task's rouge_aggregation; default: instance)")
     return parser
 
 
@@ -157,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.benchmark != "infinitebench":
                 raise UsageError("--math-calc-drop-first applies to --benchmark infinitebench only")
             options["math_calc_drop_first"] = True
+        if args.rouge_aggregation:
+            if args.benchmark != "zeroscrolls":
+                raise UsageError("--rouge-aggregation applies to --benchmark zeroscrolls only")
+            options["rouge_aggregation"] = args.rouge_aggregation
         records = read_records(args.predictions, args.dataset)
         try:
             scores = scorer(records, **options)

@@ -168,6 +168,27 @@ def test_job_records_rescore_to_the_job_scores(tmp_path, monkeypatch, capsys, ov
     assert job_scores["n_samples"] == direct["n"] == len(records)
 
 
+@pytest.mark.parametrize("name", ["leval", "zeroscrolls"])
+def test_other_benchmarks_rescore_their_task_records(tmp_path, capsys, name):
+    """LEval and ZeroSCROLLS records as a job writes them (meta.dataset, LEval's meta.part and meta.question_index)
+    give the task's own aggregate through the CLI."""
+    from kvbench.tasks import build_task
+
+    module = __import__(f"test_task_{name}")  # their fixture datasets
+    task = build_task({"name": name, "data_dir": str(FIXTURES / name), "datasets": module.FIXTURE_DATASETS})
+    samples = task.samples(None)
+    predictions = [s.answers[0] if i % 2 == 0 else "no idea" for i, s in enumerate(samples)]
+    records = [{"id": s.id, "prediction": p, "answers": s.answers, "score": task.score(p, s), "meta": s.meta}
+               for p, s in zip(predictions, samples, strict=True)]
+    expected = task.aggregate(records)
+    out = _scores(capsys, _write(tmp_path / "samples.jsonl", records), name)
+    assert _json(out["datasets"]) == _json(expected["datasets"]) and out["score"] == expected["score"]
+    if name == "zeroscrolls":
+        corpus = _scores(capsys, tmp_path / "samples.jsonl", name, "--rouge-aggregation", "corpus")
+        task.rouge_aggregation = "corpus"
+        assert _json(corpus["datasets"]) == _json(task.aggregate(records)["datasets"])
+
+
 # ---- bad input: one line, exit code 2 -------------------------------------------------------------------------------
 GOOD = {"dataset": "hotpotqa", "prediction": "x", "answers": ["x"]}
 
@@ -198,6 +219,8 @@ GOOD = {"dataset": "hotpotqa", "prediction": "x", "answers": ["x"]}
         ([GOOD], ["--benchmark", "longbenchh"], "unknown benchmark 'longbenchh'; valid benchmarks: longbench,"),
         ([GOOD], [], "--benchmark"),
         ([GOOD], ["--benchmark", "longbench", "--math-calc-drop-first"], "infinitebench only"),
+        ([GOOD], ["--benchmark", "longbench", "--rouge-aggregation", "corpus"], "zeroscrolls only"),
+        ([GOOD], ["--benchmark", "zeroscrolls"], "valid ZeroSCROLLS datasets"),
     ],
 )
 def test_bad_input(tmp_path, capsys, lines, argv, message):
