@@ -30,3 +30,9 @@ def rouge1_f_x10(reference: str, prediction: str) -> float:
     if len(prediction) == 0:
         return 0.0
     return _scorer("rouge1", True).score(reference, prediction)["rouge1"].fmeasure * 10
+
+
+def rouge_score_f(rouge_type: str, target: str, prediction: str, use_stemmer: bool = False) -> float:
+    """F-measure of one Google ``rouge-score`` type (``rouge1``, ``rougeL``, ``rougeLsum``, ...), default tokenizer
+    (lowercase, non-alphanumerics dropped); ``rougeLsum`` splits sentences on newlines."""
+    return _scorer(rouge_type, use_stemmer).score(target, prediction)[rouge_type].fmeasure

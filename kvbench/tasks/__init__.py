@@ -31,11 +31,12 @@ TASKS = Registry(
         "longbench_zh": "kvbench.tasks.longbench:LongBenchZhTask",
         "leval": "kvbench.tasks.leval:LEvalTask",
         "zeroscrolls": "kvbench.tasks.zeroscrolls:ZeroScrollsTask",
+        "infinitebench": "kvbench.tasks.infinitebench:InfiniteBenchTask",
     },
     pending={
         name: _BENCHMARKS
         for name in (
-            "infinitebench", "ruler", "pg19", "gsm8k", "coqa",
+            "ruler", "pg19", "gsm8k", "coqa",
             "truthfulqa",
         )
     },

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvbench.errors import ConfigError
 from kvbench.models.spec import ModelSpec
 from kvbench.tasks.base import Sample, Task
 
@@ -25,6 +26,11 @@ def prompt_token_budget(task: Task, spec: ModelSpec, sample: Sample | None = Non
     """
     new_tokens = task.max_new_tokens_for(sample) if sample is not None else task.max_new_tokens
     window = int(spec.context_length) - int(new_tokens)
+    if window < 1:  # e.g. InfiniteBench math_calc (30000 new tokens) on an 8K model
+        which = f"sample {sample.id!r}" if sample is not None else "its samples"
+        raise ConfigError(f"task {task.name!r}: {which} may generate {new_tokens} new tokens, more than model "
+                          f"{spec.name!r}'s context of {spec.context_length} tokens; select other datasets or a "
+                          f"longer-context model")
     explicit = task.truncate_to or spec.max_input_tokens
     return min(int(explicit), window) if explicit else window
 

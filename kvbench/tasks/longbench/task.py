@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from kvbench.errors import ConfigError
-from kvbench.metrics.longbench import BUCKETS, best_score, bucket_scores, dataset_score, first_line
+from kvbench.metrics.longbench import first_line
 from kvbench.tasks import check_common, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.longbench.data import (
@@ -28,29 +27,21 @@ from kvbench.tasks.longbench.data import (
     missing_files,
     read_rows,
 )
-
-# ---- the protocol as data ----
-PROTOCOL: dict[str, Any] = json.loads((Path(__file__).with_name("prompts.json")).read_text(encoding="utf-8"))
-DATASET2PROMPT: dict[str, str] = PROTOCOL["dataset2prompt"]
-DATASET2MAXLEN: dict[str, int] = PROTOCOL["dataset2maxlen"]
-DATASET2METRIC: dict[str, str] = PROTOCOL["dataset2metric"]
-NO_CHAT_TEMPLATE: frozenset[str] = frozenset(PROTOCOL["no_chat_template"])
-FIRST_LINE: frozenset[str] = frozenset(PROTOCOL["first_line"])
-NEWLINE_STOP: frozenset[str] = frozenset(PROTOCOL["newline_stop"])
-CATEGORIES: dict[str, dict[str, list[str]]] = PROTOCOL["categories"]
-CODE = frozenset(CATEGORIES["en"]["code"])  # in both leaderboards
-ENGLISH: list[str] = [d for datasets in CATEGORIES["en"].values() for d in datasets]  # the 16 of the KV papers
-CHINESE: list[str] = [d for datasets in CATEGORIES["zh"].values() for d in datasets if d not in CODE]
-LONGBENCH_E: list[str] = PROTOCOL["longbench_e"]
-VARIANTS = ("longbench", "longbench_e")
-
-
-def category_of(dataset: str) -> str:
-    for categories in CATEGORIES.values():
-        for category, datasets in categories.items():
-            if dataset in datasets:
-                return category
-    raise KeyError(dataset)
+from kvbench.tasks.longbench.protocol import (
+    CATEGORIES,
+    CHINESE,
+    DATASET2MAXLEN,
+    DATASET2METRIC,
+    DATASET2PROMPT,
+    ENGLISH,
+    FIRST_LINE,
+    LONGBENCH_E,
+    NEWLINE_STOP,
+    NO_CHAT_TEMPLATE,
+    VARIANTS,
+    category_of,
+)
+from kvbench.tasks.longbench.scoring import category_means, record_score, summarize
 
 
 @dataclass
@@ -179,8 +170,9 @@ class LongBenchTask(Task):
         return first_line(prediction) if sample.meta["dataset"] in FIRST_LINE else prediction
 
     def score(self, prediction: str, sample: Sample) -> float:
-        """The dataset's official metric, max over the answers (0-1)."""
-        return best_score(sample.meta["metric"], prediction, sample.answers, sample.meta.get("all_classes"))
+        """The dataset's official metric, max over the answers (0-1): ``scoring.record_score``, the function
+        ``python -m kvbench.score`` uses."""
+        return record_score(sample.meta["dataset"], prediction, sample.answers, sample.meta.get("all_classes"))
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """``score``: plain mean over datasets of the per-dataset scores (as the KV papers report);
@@ -188,24 +180,10 @@ class LongBenchTask(Task):
         ``leaderboard_avg``: {language: mean of the category means} (the official README's "Avg");
         LongBench-E adds ``buckets`` {dataset: {0-4k, 4-8k, 8k+}} (eval.py ``scorer_e``) and ``bucket_avg``."""
         per_dataset = self._group(records)
-        datasets = {d: dataset_score([float(r["score"]) for r in rs]) for d, rs in per_dataset.items()}
-        categories = category_means(datasets)
-        out: dict[str, Any] = {
-            "score": _mean(datasets.values()),
-            "n": len(records),
-            "datasets": datasets,
-            "counts": {d: len(rs) for d, rs in per_dataset.items()},
-            "categories": categories,
-            "leaderboard_avg": {lang: _mean(cats.values()) for lang, cats in categories.items()},
-        }
-        if self.variant == "longbench_e":
-            buckets = {
-                d: bucket_scores([float(r["score"]) for r in rs], [r["meta"]["length"] for r in rs])
-                for d, rs in per_dataset.items()
-            }
-            out["buckets"] = buckets
-            out["bucket_avg"] = {b: _mean(v[b] for v in buckets.values() if not math.isnan(v[b])) for b in BUCKETS}
-        return out
+        scores = {d: [float(r["score"]) for r in rs] for d, rs in per_dataset.items()}
+        lengths = ({d: [r["meta"]["length"] for r in rs] for d, rs in per_dataset.items()}
+                   if self.variant == "longbench_e" else None)
+        return summarize(scores, lengths)
 
     def _group(self, records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         groups: dict[str, list[dict[str, Any]]] = {}
@@ -247,27 +225,6 @@ class LongBenchZhTask(LongBenchTask):
     name: ClassVar[str] = "longbench_zh"
 
     datasets: list[str] = field(default_factory=lambda: list(CHINESE))
-
-
-def category_means(datasets: dict[str, float]) -> dict[str, dict[str, float]]:
-    """{language: {category: mean of its datasets' scores}} over the datasets present, as the official README's
-    EN and ZH tables (code counts in both). A language appears when one of its own (non-code) datasets is present;
-    a run of code datasets only is reported under "en"."""
-    present = set(datasets)
-    languages = [lang for lang, cats in CATEGORIES.items()
-                 if any(d in present and d not in CODE for ds in cats.values() for d in ds)]
-    if not languages and present & CODE:
-        languages = ["en"]
-    out: dict[str, dict[str, float]] = {}
-    for lang in languages:
-        out[lang] = {cat: _mean(datasets[d] for d in ds if d in present)
-                     for cat, ds in CATEGORIES[lang].items() if present & set(ds)}
-    return out
-
-
-def _mean(values: Any) -> float:
-    values = list(values)
-    return round(sum(values) / len(values), 2) if values else math.nan
 
 
 __all__ = [

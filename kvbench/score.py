@@ -1,0 +1,192 @@
+"""``python -m kvbench.score PREDICTIONS.jsonl --benchmark NAME [--out scores.json]``: re-score predictions.
+
+Scores a predictions file from any harness with kvbench's official-equivalent scorers, so numbers from elsewhere can
+be compared with kvbench's and with the official code's. One JSON object per line:
+
+    {"dataset": "hotpotqa", "prediction": "Barcelona", "answers": ["Barcelona"]}
+    {"dataset": "trec", "prediction": "Individual", "answers": ["Individual"], "all_classes": ["Abbreviation", ...]}
+    {"dataset": "qasper", "prediction": "...", "answers": ["..."], "length": 5310}        # LongBench-E buckets
+    {"dataset": "code_run", "prediction": "The value is 14", "answers": [14]}             # InfiniteBench
+
+Accepted as well: a kvbench job's ``samples.jsonl`` as it is (``dataset``, ``all_classes``, ``length``, ``options``,
+``label``, and LEval's ``part`` and ``question_index`` are read from each record's ``meta``), and the official
+InfiniteBench results files ``preds_<task>.jsonl`` (``pred``/``prediction`` with ``label``/``ground_truth``; name the
+task with ``--dataset``).
+
+Each benchmark package provides ``kvbench/tasks/<bench>/scoring.py`` with ``score_records(records) -> {"datasets":
+{name: score}, ...aggregates}``, loaded lazily; a benchmark whose module has not landed exits 2 with one line. Any
+bad input (missing file, a line that is not JSON, a missing field, an unknown dataset or benchmark) is one line on
+stderr and exit code 2. The scores are printed as a table; ``--out FILE`` also writes them as JSON (``-``: JSON on
+stdout instead of the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kvbench.errors import DataError, KVBenchError
+
+BENCHMARKS: dict[str, str] = {
+    "longbench": "kvbench.tasks.longbench.scoring:score_records",
+    "longbench_e": "kvbench.tasks.longbench.scoring:score_records_e",
+    "infinitebench": "kvbench.tasks.infinitebench.scoring:score_records",
+    "ruler": "kvbench.tasks.ruler.scoring:score_records",
+    "leval": "kvbench.tasks.leval.scoring:score_records",
+    "zeroscrolls": "kvbench.tasks.zeroscrolls.scoring:score_records",
+}
+ALIASES = {"prediction": ("prediction", "pred"), "answers": ("answers", "ground_truth")}
+FROM_META = ("dataset", "all_classes", "length", "options", "label", "part", "question_index")
+
+
+class UsageError(KVBenchError):
+    """A bad command line (exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        raise UsageError(f"{message} (python -m kvbench.score --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m kvbench.score", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("predictions", help="JSONL file: one prediction per line (see module docstring)")
+    parser.add_argument("--benchmark", required=True, help=f"one of {', '.join(BENCHMARKS)}")
+    parser.add_argument("--out", help="write the scores as JSON to this file ('-': to stdout instead of the table)")
+    parser.add_argument("--dataset", help="dataset of records without one (e.g. an official preds_<task>.jsonl)")
+    parser.add_argument("--math-calc-drop-first", action="store_true",
+                        help="InfiniteBench math_calc: drop the first predicted number, as compute_scores.py does for "
+                             "--model_name gpt4 (its default model name)")
+    parser.add_argument("--rouge-aggregation", choices=("instance", "corpus"),
+                        help="ZeroSCROLLS ROUGE aggregation (the task's rouge_aggregation; default: instance)")
+    return parser
+
+
+def load_scorer(benchmark: str) -> Any:
+    """The ``score_records`` function of ``benchmark`` (ConfigError-like one-liners for unknown or missing ones)."""
+    if benchmark not in BENCHMARKS:
+        raise UsageError(f"unknown benchmark {benchmark!r}; valid benchmarks: {', '.join(BENCHMARKS)}")
+    module_name, _, function = BENCHMARKS[benchmark].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UsageError(f"benchmark {benchmark!r} is not available yet ({module_name} does not exist)") from None
+        raise
+    scorer = getattr(module, function, None)
+    if scorer is None:
+        raise UsageError(f"benchmark {benchmark!r} is not available yet ({module_name} has no {function})")
+    return scorer
+
+
+def read_records(path: str, default_dataset: str | None = None) -> list[dict[str, Any]]:
+    """The records of a predictions file, with field aliases resolved, ``meta`` fields lifted and ``_line`` set;
+    checks that each has a dataset, a string prediction and answers (or a label)."""
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"predictions file {path!r} does not exist")
+    records = []
+    with file.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {number} is not JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(raw, dict):
+                raise DataError(f"{path} line {number} is not a JSON object")
+            records.append(_normalize(raw, number, path, default_dataset))
+    if not records:
+        raise DataError(f"predictions file {path!r} has no records")
+    return records
+
+
+def _normalize(raw: dict[str, Any], number: int, path: str, default_dataset: str | None) -> dict[str, Any]:
+    record = dict(raw)
+    meta = raw.get("meta") if isinstance(raw.get("meta"), dict) else {}
+    for name in FROM_META:
+        if record.get(name) is None and meta.get(name) is not None:
+            record[name] = meta[name]
+    if record.get("dataset") is None and default_dataset is not None:
+        record["dataset"] = default_dataset
+    for name, keys in ALIASES.items():
+        if record.get(name) is None:
+            record[name] = next((raw[k] for k in keys if raw.get(k) is not None), None)
+    where = f"{path} line {number}"
+    if record.get("dataset") is None:
+        raise DataError(f"{where} has no 'dataset' field (nor meta.dataset); pass --dataset for a single-dataset file")
+    if not isinstance(record["dataset"], str):
+        raise DataError(f"{where}: 'dataset' must be a string; got {record['dataset']!r:.60}")
+    if not isinstance(record.get("prediction"), str):
+        missing = record.get("prediction") is None
+        raise DataError(f"{where} " + ("has no 'prediction' field" if missing else "has a non-string 'prediction'"))
+    if record.get("answers") is None and record.get("label") is None:
+        raise DataError(f"{where} has no 'answers' field")
+    record["_line"] = number
+    return record
+
+
+def format_table(benchmark: str, scores: dict[str, Any]) -> str:
+    """Per-dataset scores (with counts where given), then every other summary on its own line."""
+    datasets, counts = scores.get("datasets", {}), scores.get("counts", {})
+    rows = [("dataset", "n", "score")] + [(d, str(counts.get(d, "")), _fmt(v)) for d, v in datasets.items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{benchmark}: {scores.get('n', sum(counts.values()))} predictions"]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    lines.insert(2, "-+-".join("-" * w for w in widths))
+    for key, value in scores.items():
+        if key not in ("datasets", "counts", "n", "official_mean"):
+            lines.append(f"{key}: {_fmt(value) if not isinstance(value, dict) else json.dumps(value)}")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) and not math.isnan(value) else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        scorer = load_scorer(args.benchmark)
+        options = {}
+        if args.math_calc_drop_first:
+            if args.benchmark != "infinitebench":
+                raise UsageError("--math-calc-drop-first applies to --benchmark infinitebench only")
+            options["math_calc_drop_first"] = True
+        if args.rouge_aggregation:
+            if args.benchmark != "zeroscrolls":
+                raise UsageError("--rouge-aggregation applies to --benchmark zeroscrolls only")
+            options["rouge_aggregation"] = args.rouge_aggregation
+        records = read_records(args.predictions, args.dataset)
+        try:
+            scores = scorer(records, **options)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:  # scorers that do not raise DataError
+            raise DataError(f"{args.benchmark} could not score {args.predictions}: {type(exc).__name__}: {exc}") \
+                from None
+    except KVBenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    result = {"benchmark": args.benchmark, "predictions": str(args.predictions), **scores}
+    text = json.dumps(result, indent=2, ensure_ascii=False) + "\n"
+    if args.out == "-":
+        sys.stdout.write(text)
+        return 0
+    if args.out:
+        try:
+            Path(args.out).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            print(f"error: cannot write --out {args.out!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    print(format_table(args.benchmark, scores))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""InfiniteBench data: the official raw files ``<task>.jsonl`` of the hub dataset ``xinrongzhang2022/InfiniteBench``.
+
+Each line is one row with ``id``, ``context``, ``input``, ``answer`` and ``options`` (reference/benchmarks.md
+section 2). The ``answer`` type varies by task (``["71432"]``, ``[4]``, ``[[1, 4, 8]]``, a bare string for
+kv_retrieval), which is why ``datasets.load_dataset`` needs explicit features that turn every answer into strings;
+kvbench reads the raw lines instead and keeps the types. Files come from ``task.data_dir`` if set (as upstream's
+``scripts/download_dataset.sh`` saves them), else each is downloaded once with
+``huggingface_hub.hf_hub_download(repo_type="dataset")`` into the hub cache.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import DataError
+
+HUB_REPO = "xinrongzhang2022/InfiniteBench"
+REQUIRED_FIELDS = ("context", "input", "answer")
+
+
+def file_name(task: str) -> str:
+    """``passkey.jsonl``, ..., as on the hub and in upstream ``eval_utils.DATA_NAME_TO_PATH``."""
+    return f"{task}.jsonl"
+
+
+def check_data_dir(task_name: str, data_dir: str, tasks: list[str]) -> Path:
+    """``data_dir`` as a Path after checking it holds ``<task>.jsonl`` for every task (one DataError naming the
+    directory and every missing file otherwise)."""
+    directory = Path(data_dir).expanduser()
+    if not directory.is_dir():
+        raise DataError(f"task {task_name!r}: data_dir={data_dir!r} is not a directory (it must hold the official "
+                        f"InfiniteBench files, e.g. {file_name(tasks[0])})")
+    missing = [file_name(t) for t in tasks if not (directory / file_name(t)).is_file()]
+    if missing:
+        raise DataError(f"task {task_name!r}: data_dir={str(directory)!r} has no {', '.join(missing)} "
+                        f"(the official files of the hub dataset {HUB_REPO})")
+    return directory
+
+
+def download_official(task_name: str, task: str) -> Path:
+    """Path of ``<task>.jsonl`` in the hub cache (looked up there first), else downloaded once. Any failure
+    (offline, hub errors) is one DataError line naming ``task.data_dir`` as the way out."""
+    import huggingface_hub
+
+    request = {"repo_id": HUB_REPO, "filename": file_name(task), "repo_type": "dataset"}
+    try:  # a file already in the hub cache needs no network (offline, the hub client retries for ~30 s per file)
+        return Path(huggingface_hub.hf_hub_download(**request, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(huggingface_hub.hf_hub_download(**request))
+    except Exception as exc:  # offline, gated, renamed: all mean "use a local copy"
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise DataError(
+            f"task {task_name!r}: could not download {file_name(task)} of the hub dataset {HUB_REPO} "
+            f"({type(exc).__name__}: {reason}); download the official files (InfiniteBench "
+            f"scripts/download_dataset.sh) and set task.data_dir=<directory with the .jsonl files>"
+        ) from None
+
+
+def read_rows(path: Path, task_name: str, needs_options: bool = False) -> list[dict[str, Any]]:
+    """The rows of one official jsonl file, checked for the fields the prompt and the label need."""
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"task {task_name!r}: {path} line {number} is not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"task {task_name!r}: {path} line {number} is not a JSON object")
+            missing = [name for name in REQUIRED_FIELDS if name not in row]
+            if missing:
+                raise DataError(f"task {task_name!r}: {path} line {number} has no field(s) {', '.join(missing)}")
+            options = row.get("options")
+            if needs_options and not (isinstance(options, list) and len(options) >= 4):
+                raise DataError(f"task {task_name!r}: {path} line {number} needs 4 'options'; got {options!r:.120}")
+            row["_line"] = number
+            rows.append(row)
+    if not rows:
+        raise DataError(f"task {task_name!r}: {path} has no rows")
+    return rows
+
+
+__all__ = ["HUB_REPO", "check_data_dir", "download_official", "file_name", "read_rows"]
