@@ -113,6 +113,8 @@ def plan_job(cfg: DictConfig) -> Job:
     if missing:  # say everything that is missing at once, not one piece per attempt
         raise NotAvailableError(" and ".join(missing))
     spec = spec_from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    if method.requires_cuda:
+        _check_cuda_method(method.name, spec)
     if cfg.position_mode not in POSITION_MODES:
         raise ConfigError(f"position_mode={cfg.position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
     for name in ("batch_size", "seed"):
@@ -136,6 +138,20 @@ def plan_job(cfg: DictConfig) -> Job:
         "batch_size": cfg.batch_size,
     }
     return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, label))
+
+
+def _check_cuda_method(method: str, spec: Any) -> None:
+    """A method that moves KV between host and GPU (``requires_cuda``) refuses a model that would run elsewhere."""
+    from kvbench.models import resolve_device
+
+    device = resolve_device(spec.device)
+    if device != "cuda":
+        why = "torch sees no CUDA device here" if spec.device == "auto" else f"model.device={spec.device!r}"
+        raise NotAvailableError(
+            f"method {method!r} needs the model on a CUDA device (it offloads KV to host memory and prefetches it "
+            f"on a side CUDA stream); model {spec.name!r} would run on {device!r} ({why}); run it on a GPU machine "
+            "with model.device=auto or cuda"
+        )
 
 
 def _task_fields(task: Any) -> dict[str, Any]:

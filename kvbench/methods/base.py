@@ -92,6 +92,12 @@ class Method:
     needs_decode_probs: ClassVar[bool] = False
     #: a method whose paper defines it per sequence sets this to refuse batch > 1
     supports_batching: ClassVar[bool] = True
+    #: the method needs trained or adapted weights (CLA, LoCoCo): its ``validate`` refuses with a NotAvailableError
+    #: naming the paper and what to provide, unless the user declares an adapted checkpoint
+    requires_training: ClassVar[bool] = False
+    #: the method only makes sense on a CUDA device (Brutal Offload's host<->GPU transfers); ``plan_job`` refuses
+    #: before the model loads when the model would run elsewhere
+    requires_cuda: ClassVar[bool] = False
 
     def validate(self, budget: Budget) -> None:
         """Reject a budget or hyperparameters before any model loads (raise ConfigError naming the value)."""
