@@ -23,12 +23,13 @@ METHODS = Registry(
         "kvmerger": "kvbench.methods.kvmerger:KVMerger",
         "d2o": "kvbench.methods.d2o:D2O",
         "pod": "kvbench.methods.pod:POD",
+        "quest": "kvbench.methods.quest:Quest",
     },
     pending={
         **{
             name: _BASELINE
             for name in (
-                "cam", "roco", "local", "lminfinite", "quest", "infllm", "pyramidinfer", "sirllm", "offload", "cla",
+                "cam", "roco", "local", "lminfinite", "infllm", "pyramidinfer", "sirllm", "offload", "cla",
                 "lococo",
             )
         },

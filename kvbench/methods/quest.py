@@ -1,0 +1,132 @@
+"""Quest: query-aware page selection at every decode step over a full resident cache.
+
+Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference" (ICML 2024), code
+mit-han-lab/Quest. reference/methods.md B10.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvbench.budget import Budget
+from kvbench.errors import ConfigError
+from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+
+GROUP_AGGREGATIONS = ("max", "mean")
+
+
+def page_bounds(query: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
+    """Quest's criticality of each page: ``Σ_c max(q_c m_c, q_c M_c)``, an upper bound on ``q · k`` in the page.
+
+    query: ``(B, Hkv, g, D)``; mins / maxs: ``(B, Hkv, P, D)`` per-channel min / max keys of each page.
+    Since ``M >= m``, ``max(q m, q M) = q⁺ M + q⁻ m`` with ``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)`` (two matmuls, no
+    ``(P, D)`` temporary per query head). Returns ``(B, Hkv, g, P)`` float32.
+    """
+    q = query.float()
+    pos, neg = q.clamp(min=0), q.clamp(max=0)
+    return pos @ maxs.float().transpose(-1, -2) + neg @ mins.float().transpose(-1, -2)
+
+
+@dataclass
+class Quest(Method):
+    """At every decode step, each layer from ``dense_layers`` on attends only to the KV pages with the highest
+    criticality for the current query; nothing is evicted (resident KV = FullKV, attended entries = the budget).
+
+    Pages: ``page_size`` consecutive entries in position order (prompt and generated tokens alike, aligned at
+    position 0, as Quest's paged cache), each with the per-channel minimum ``m`` and maximum ``M`` of its keys
+    (post-RoPE, as Quest's ``estimate`` kernel reads them). Criticality of a page for query head ``h``:
+    ``Σ_c max(q_c m_c, q_c M_c)`` (paper Sec. 3.2, eq. in Fig. 5).
+
+    Budget: ``budget=C`` tokens is Quest's token budget; the page budget ``C // page_size`` *includes* the page
+    holding the newest token, which is always attended (the kernel path, ``InferenceController``: top-k over all
+    pages but the last, ``page_budget - 1`` of them, plus the last page). A ratio budget is ``round(ρ n)`` tokens of
+    the prompt. When every page fits, the step is dense. The first ``dense_layers`` layers are always dense and
+    prefill is full attention (``layer_id < 2`` / ``q_len > 1`` run the dense path in ``quest_attention.py``).
+
+    GQA: Quest is per query head (its kernels run MHA models; the evaluation script ``repeat_kv``s first). kvbench's
+    cache is per KV head and the engine attends one index set per KV head, so the ``g`` query heads of a group
+    share their pages: ``group_agg=max`` (default) scores a page by the largest bound over the group (still an upper
+    bound on every ``q · k`` in the group, so a page critical for any head is ranked as such); ``group_agg=mean``
+    averages the bounds. For MHA models (g = 1) both equal Quest exactly. Batch size 1 (pages are entry indices).
+    """
+
+    name: ClassVar[str] = "quest"
+    supports_batching: ClassVar[bool] = False
+    page_size: int = 16
+    dense_layers: int = 2
+    group_agg: str = "max"
+    _budget: Budget | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_positive(self.name, page_size=self.page_size)
+        check_choice(self.name, "group_agg", self.group_agg, GROUP_AGGREGATIONS)
+        if self.dense_layers < 0:
+            raise ConfigError(f"method 'quest': dense_layers={self.dense_layers} must be >= 0")
+        self._pages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (mins, maxs) of complete pages
+
+    def min_budget_tokens(self) -> int:
+        return 2 * self.page_size
+
+    def min_budget_reason(self) -> str:
+        return f"one selected page and the current page of {self.page_size} tokens"
+
+    def validate(self, budget: Budget) -> None:
+        super().validate(budget)
+        self._budget = budget
+
+    def describe(self) -> dict:
+        return {k: v for k, v in super().describe().items() if not k.startswith("_")}
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        self._pages.pop(ctx.layer_idx, None)  # a new prompt: page metadata is rebuilt lazily at the first step
+
+    # ---- page metadata -----------------------------------------------------------------------------------------
+    def page_metadata(self, layer_idx: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel min / max keys ``(B, H, P, D)`` of every page, the last one possibly partial. Complete pages
+        never change (nothing is evicted), so their metadata is computed once and cached per layer."""
+        b, h, t, d = keys.shape
+        p = self.page_size
+        full = t // p
+        cached = self._pages.get(layer_idx)
+        done = 0 if cached is None or cached[0].shape[2] > full else cached[0].shape[2]
+        if cached is None or done < full:
+            fresh = keys[:, :, done * p : full * p].reshape(b, h, full - done, p, d)
+            mins, maxs = fresh.amin(3), fresh.amax(3)
+            if cached is not None and done:
+                mins, maxs = torch.cat([cached[0], mins], dim=2), torch.cat([cached[1], maxs], dim=2)
+            self._pages[layer_idx] = cached = (mins, maxs)
+        mins, maxs = cached
+        if t > full * p:  # the partial last page: recomputed each step (at most page_size - 1 keys)
+            tail = keys[:, :, full * p :]
+            mins = torch.cat([mins, tail.amin(2, keepdim=True)], dim=2)
+            maxs = torch.cat([maxs, tail.amax(2, keepdim=True)], dim=2)
+        return mins, maxs
+
+    # ---- engine hook ---------------------------------------------------------------------------------------------
+    def select(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
+        if self._budget is None or self._budget.is_full or ctx.layer_idx < self.dense_layers:
+            return None
+        if ctx.query.shape[2] != 1:  # Quest's dense path for multi-token inputs
+            return None
+        t = layer.num_entries
+        p = self.page_size
+        num_pages = -(-t // p)
+        page_budget = int(ctx.capacity[0]) // p
+        if num_pages <= page_budget:
+            return None
+        mins, maxs = self.page_metadata(ctx.layer_idx, layer.keys)
+        b, hq, _, d = ctx.query.shape
+        hkv = layer.keys.shape[1]
+        bounds = page_bounds(ctx.query.view(b, hkv, hq // hkv, d), mins, maxs)  # (B, Hkv, g, P)
+        scores = bounds.amax(2) if self.group_agg == "max" else bounds.mean(2)
+        top = torch.topk(scores[..., :-1], page_budget - 1, dim=-1).indices.sort(-1).values  # (B, Hkv, k-1)
+        offsets = torch.arange(p, device=top.device)
+        tokens = (top.unsqueeze(-1) * p + offsets).flatten(-2)
+        last = torch.arange((num_pages - 1) * p, t, device=top.device).expand(b, hkv, -1)
+        return torch.cat([tokens, last], dim=-1)
