@@ -24,12 +24,13 @@ METHODS = Registry(
         "d2o": "kvbench.methods.d2o:D2O",
         "pod": "kvbench.methods.pod:POD",
         "quest": "kvbench.methods.quest:Quest",
+        "infllm": "kvbench.methods.infllm:InfLLM",
     },
     pending={
         **{
             name: _BASELINE
             for name in (
-                "cam", "roco", "local", "lminfinite", "infllm", "pyramidinfer", "sirllm", "offload", "cla",
+                "cam", "roco", "local", "lminfinite", "pyramidinfer", "sirllm", "offload", "cla",
                 "lococo",
             )
         },
