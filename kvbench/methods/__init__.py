@@ -25,12 +25,13 @@ METHODS = Registry(
         "pod": "kvbench.methods.pod:POD",
         "quest": "kvbench.methods.quest:Quest",
         "infllm": "kvbench.methods.infllm:InfLLM",
+        "pyramidinfer": "kvbench.methods.pyramidinfer:PyramidInfer",
     },
     pending={
         **{
             name: _BASELINE
             for name in (
-                "cam", "roco", "local", "lminfinite", "pyramidinfer", "sirllm", "offload", "cla",
+                "cam", "roco", "local", "lminfinite", "sirllm", "offload", "cla",
                 "lococo",
             )
         },

@@ -1,0 +1,268 @@
+"""PyramidInfer: each layer keeps the pivotal context the layer below chose, in prefill and decode.
+
+Yang et al., "PyramidInfer: Pyramid KV Cache Compression for High-throughput LLM Inference" (ACL 2024 Findings),
+code mutonix/pyramidinfer (``models/modeling_llama_pyramidinfer.py``, ``configs/llama2_7b.json``).
+reference/methods.md B13.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvbench.budget import Budget
+from kvbench.errors import ConfigError, NotAvailableError
+from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+
+STRATEGIES = ("cosine", "constant")
+ALLOCATIONS = ("budget", "paper")
+
+
+def decay(layer: int, num_layers: int, ratio: float, strategy: str) -> float:
+    """Retention factor of layer ``layer``: cosine ``(1 - r) (cos(π l / L) + 1) / 2 + r`` (1 at layer 0, r at depth
+    L), or the constant ``r``."""
+    if strategy == "constant":
+        return ratio
+    return (1.0 - ratio) * (math.cos(math.pi * layer / num_layers) + 1) / 2 + ratio
+
+
+def paper_contexts(n: int, num_layers: int, recent_ratio: float, ratio: float, strategy: str,
+                   min_context: int) -> tuple[int, list[int]]:
+    """The official code's sizes: recent window ``W = 1 + int(r n)`` and context entries per layer, compounding
+    ``c_{l+1} = int(c_l s(l))`` unless that is ``<= min_context`` (then ``c_l`` stays), from ``c_0 = n - W``."""
+    recent = int(n * recent_ratio)
+    min_ctx = min(min_context, n - 1 - recent)
+    contexts = [n - 1 - recent]
+    for layer in range(num_layers - 1):
+        c, s = contexts[-1], decay(layer, num_layers, ratio, strategy)
+        nxt = c
+        if c > min_ctx and s < 1.0:
+            t = int(c * s)
+            nxt = t if t > min_ctx else c
+        contexts.append(nxt)
+    return 1 + recent, contexts
+
+
+def budget_contexts(n: int, budget: int, window: int, num_layers: int, ratio: float, strategy: str,
+                    min_context: int) -> list[int]:
+    """Context entries per layer with the compounding profile ``Π_{i<l} s(i)`` scaled so that ``Σ_l (W + c_l)``
+    is exactly ``L * budget``, each ``c_l`` in ``[min(min_context, budget - W), n - W]``, non-increasing."""
+    hi = n - window
+    target = num_layers * (budget - window)
+    if target >= hi * num_layers:
+        return [hi] * num_layers
+    profile = [1.0]
+    for layer in range(num_layers - 1):
+        profile.append(profile[-1] * decay(layer, num_layers, ratio, strategy))
+    lo = min(min_context, budget - window)
+
+    def total(scale: float) -> float:
+        return sum(min(hi, max(lo, scale * p)) for p in profile)
+
+    low, high = 0.0, hi / min(profile)
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if total(mid) < target else (low, mid)
+    counts = [math.floor(min(hi, max(lo, high * p))) for p in profile]
+    remainder = target - sum(counts)
+    for layer in range(num_layers):  # +1 to the first layers with room: stays non-increasing
+        if remainder and counts[layer] < hi:
+            counts[layer] += 1
+            remainder -= 1
+    return counts
+
+
+@dataclass
+class PyramidInfer(Method):
+    """Layer ``l`` keeps the *pivotal context* (PvC) chosen by layer ``l - 1`` plus the recent window; layer 0 keeps
+    what its own attention chooses. A layer chooses its PvC from the context it holds: tokens with the highest
+    attention from the recent window's queries, averaged over query heads, weighted by ``linspace(1,
+    distance_weight)`` from the oldest to the newest recent query and averaged over them; the first ``sink_size``
+    tokens are always kept (code: ``streamingllm_sink_len``). One PvC per layer for all heads.
+
+    Prefill: with ``prefill_mask`` (default) layer ``l``'s prompt attention only sees the keys layer ``l - 1`` kept,
+    which is what the official code computes by dropping the other tokens' hidden states (they are neither keys nor,
+    for the kept tokens, inputs of any later layer; kvbench still computes their rows, whose outputs nothing reads).
+    ``prefill_mask=false`` keeps full prompt attention and only evicts.
+
+    Sizes: ``allocation=budget`` (default): window ``W = 1 + int(recent_ratio C)`` and context entries per layer with
+    the official compounding profile ``Π_{i<l} s(i)``, ``s(l) = (1 - r)(cos(π l / L) + 1)/2 + r`` (``decay_ratio``
+    r, cosine), scaled so that the layers average exactly the budget C (layer 0 then evicts too, which the official
+    code never does). ``allocation=paper``: the code's own sizes (budget unused): ``W = 1 + int(0.2 n)``, layers 0-1
+    keep the whole prompt, ``c_{l+1} = int(c_l s(l))`` unless ``<= min_context``.
+
+    Decode (README's intent): prompt entries are never compressed again; once ``gen_chunk`` generated entries have
+    left the last-W window, they are reduced to ``max(1, int(gen_chunk * gen_compress_ratio * s_gen(l)))`` by the
+    same score over the last W queries' attention rows (``s_gen`` the cosine schedule of ``gen_decay_ratio``). The
+    code compares the total number of tokens seen with the layer's own length, so it re-compresses the kept prompt
+    entries before the window at every step; not reproduced. Defaults: ``configs/llama2_7b.json`` = llama3_8b.json.
+    Batch size 1.
+    """
+
+    name: ClassVar[str] = "pyramidinfer"
+    supports_batching: ClassVar[bool] = False
+    needs_decode_probs: ClassVar[bool] = True
+    recent_ratio: float = 0.2
+    decay_ratio: float = 0.9
+    decay_strategy: str = "cosine"
+    min_context: int = 64
+    sink_size: int = 4
+    distance_weight: float = 1.2
+    gen_decay_ratio: float = 0.1
+    gen_compress_ratio: float = 0.9
+    gen_chunk: int = 16
+    allocation: str = "budget"
+    prefill_mask: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("recent_ratio", "decay_ratio", "gen_decay_ratio", "gen_compress_ratio"):
+            value = getattr(self, key)
+            if not 0 < value <= 1:
+                raise ConfigError(f"method 'pyramidinfer': {key}={value} must be in (0, 1]")
+        check_positive(self.name, gen_chunk=self.gen_chunk, distance_weight=self.distance_weight)
+        if self.min_context < 1 or self.sink_size < 0:
+            raise ConfigError(f"method 'pyramidinfer': min_context={self.min_context} must be >= 1 and "
+                              f"sink_size={self.sink_size} >= 0")
+        check_choice(self.name, "decay_strategy", self.decay_strategy, STRATEGIES)
+        check_choice(self.name, "allocation", self.allocation, ALLOCATIONS)
+        self._plan: tuple[int, list[int]] | None = None  # (W, context entries per layer) of the current sample
+        self._chosen: torch.Tensor | None = None  # positions the layer below kept for this layer
+        self._rows: dict[int, torch.Tensor] = {}  # layer -> (W, entries) head-mean attention of the last W queries
+        self._frozen: dict[int, int] = {}  # layer -> leading entries never compressed again
+        self._stash: torch.Tensor | None = None  # recent rows computed by prefill_attend for prefill
+
+    def window(self, budget: int) -> int:
+        return 1 + int(self.recent_ratio * budget)
+
+    def min_budget_tokens(self) -> int:
+        c = 1
+        while c - self.window(c) < self.sink_size + 1:
+            c += 1
+        return c
+
+    def min_budget_reason(self) -> str:
+        return f"the recent window ({self.recent_ratio:g} of the budget), {self.sink_size} sinks and one more token"
+
+    def validate(self, budget: Budget) -> None:
+        if self.allocation == "budget":
+            super().validate(budget)
+
+    def budget_label(self, budget: Budget) -> str | None:
+        if self.allocation == "paper":
+            return f"ratios{self.recent_ratio:g}-{self.decay_ratio:g}"
+        return None
+
+    def describe(self) -> dict:
+        return {k: v for k, v in super().describe().items() if not k.startswith("_")}
+
+    # ---- attention of the recent window ------------------------------------------------------------------------
+    def _recent_rows(self, queries, keys, key_pos, window: int, scaling: float) -> torch.Tensor:
+        """Head-mean causal attention ``(W, K)`` of the last ``window`` queries over ``keys`` at ``key_pos``."""
+        b, hq, n, d = queries.shape
+        hkv = keys.shape[1]
+        q = queries[:, :, n - window :].float().view(b, hkv, hq // hkv, window, d)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", q, keys.float()) * scaling
+        qpos = torch.arange(n - window, n, device=keys.device)
+        logits = logits.masked_fill(key_pos.view(1, -1) > qpos.view(-1, 1), float("-inf"))
+        return torch.softmax(logits, dim=-1).mean(dim=(1, 2))[0]
+
+    def _scores(self, rows: torch.Tensor) -> torch.Tensor:
+        """Distance-weighted mean over the recent queries: ``(K,)``."""
+        weights = torch.linspace(1.0, self.distance_weight, rows.shape[0], device=rows.device)
+        return (rows * weights.view(-1, 1)).mean(0)
+
+    # ---- engine hooks ------------------------------------------------------------------------------------------
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        if layer.valid is not None or ctx.queries.shape[0] != 1:
+            raise NotAvailableError("method 'pyramidinfer' runs one sequence at a time (batch_size=1, no padding)")
+        if ctx.layer_idx == 0:
+            n, budget = ctx.n, int(ctx.capacity[0])
+            if self.allocation == "paper":
+                self._plan = paper_contexts(n, ctx.num_layers, self.recent_ratio, self.decay_ratio,
+                                            self.decay_strategy, self.min_context)
+            else:
+                w = min(n, self.window(budget))
+                self._plan = (w, budget_contexts(n, budget, w, ctx.num_layers, self.decay_ratio,
+                                                 self.decay_strategy, self.min_context))
+            self._chosen, self._rows, self._frozen = None, {}, {}
+        self._stash = None
+        chosen = self._chosen
+        if not self.prefill_mask or chosen is None or chosen.numel() == ctx.n:
+            return None
+        # layer l attends only to what layer l - 1 kept (causal), in query chunks
+        q, keys, values = ctx.queries, layer.keys[:, :, chosen], layer.values[:, :, chosen]
+        b, hq, n, d = q.shape
+        hkv = keys.shape[1]
+        outs = []
+        for start in range(0, n, 512):
+            stop = min(n, start + 512)
+            qg = q[:, :, start:stop].float().view(b, hkv, hq // hkv, stop - start, d)
+            logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys.float()) * ctx.scaling
+            qpos = torch.arange(start, stop, device=q.device).view(-1, 1)
+            probs = torch.softmax(logits.masked_fill(chosen.view(1, -1) > qpos, float("-inf")), dim=-1)
+            outs.append(torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, -1, d))
+        window = self._plan[0]
+        self._stash = self._recent_rows(q, keys, chosen, window, ctx.scaling)
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        window, contexts = self._plan
+        n, idx = ctx.n, ctx.layer_idx
+        all_pos = torch.arange(n, device=layer.keys.device)
+        if self._stash is not None:  # masked prefill: rows over the entries layer l - 1 kept
+            held, rows = self._chosen, self._stash
+        else:
+            rows = self._recent_rows(ctx.queries, layer.keys, all_pos, window, ctx.scaling)
+            held = self._chosen if self._chosen is not None else all_pos
+            rows = rows[:, held]
+        if idx == 0 and held.numel() - window > contexts[0]:  # layer 0 under a budget: its own choice
+            keep = self._choose(rows, held, window, contexts[0])
+            rows, held = rows[:, torch.searchsorted(held, keep)], keep
+        if held.numel() < n:
+            index = held.view(1, 1, -1).expand(1, layer.keys.shape[1], -1)
+            layer.gather(index)
+        self._rows[idx] = rows
+        self._frozen[idx] = held.numel()
+        if idx + 1 < ctx.num_layers:
+            self._chosen = self._choose(rows, held, window, contexts[idx + 1])
+
+    def _choose(self, rows: torch.Tensor, held: torch.Tensor, window: int, count: int) -> torch.Tensor:
+        """Positions of the top ``count`` context entries of ``held`` (all but the last ``window``) by score, sinks
+        first, plus the window; sorted."""
+        context = held.numel() - window
+        if count >= context:
+            return held
+        scores = self._scores(rows[:, :context])
+        scores[: self.sink_size] = float("inf")
+        top = torch.topk(scores, count).indices.sort().values
+        return torch.cat([held[top], held[context:]])
+
+    def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
+        idx = ctx.layer_idx
+        if idx not in self._rows or ctx.probs is None:
+            return
+        window, _ = self._plan
+        entries = layer.num_entries
+        new = ctx.probs.mean(dim=(1, 2))[0]  # (q, entries): head-mean rows of this step's queries
+        old = self._rows[idx]
+        old = torch.cat([old, old.new_zeros(old.shape[0], entries - old.shape[1])], dim=1)
+        rows = torch.cat([old, new.float()], dim=0)[-window:]
+        frozen = self._frozen[idx]
+        if entries - window - frozen >= self.gen_chunk:
+            s = decay(idx, ctx.num_layers, self.gen_decay_ratio, self.decay_strategy)
+            k = max(int(self.gen_chunk * self.gen_compress_ratio * s), 1)
+            scores = self._scores(rows[:, frozen : frozen + self.gen_chunk])
+            top = frozen + torch.topk(scores, k).indices.sort().values
+            device = top.device
+            index = torch.cat([torch.arange(frozen, device=device), top,
+                               torch.arange(frozen + self.gen_chunk, entries, device=device)])
+            layer.gather(index.view(1, 1, -1).expand(1, layer.keys.shape[1], -1))
+            rows = rows[:, index]
+            self._frozen[idx] = frozen + k
+        self._rows[idx] = rows
