@@ -26,12 +26,13 @@ METHODS = Registry(
         "quest": "kvbench.methods.quest:Quest",
         "infllm": "kvbench.methods.infllm:InfLLM",
         "pyramidinfer": "kvbench.methods.pyramidinfer:PyramidInfer",
+        "offload": "kvbench.methods.offload:BrutalOffload",
     },
     pending={
         **{
             name: _BASELINE
             for name in (
-                "cam", "roco", "local", "lminfinite", "sirllm", "offload", "cla",
+                "cam", "roco", "local", "lminfinite", "sirllm", "cla",
                 "lococo",
             )
         },
