@@ -220,5 +220,5 @@ def test_pending_methods_say_what_is_missing():
             build_method({"name": name}, Budget.parse(128))
     implemented = {"fullkv", "streamingllm", "snapkv", "pyramidkv", "h2o"}
     implemented |= {"dynamickv", "omnikv", "d2o", "kvmerger", "pod"}
-    implemented |= {"quest", "offload", "pyramidinfer", "infllm"}
+    implemented |= {"quest", "infllm", "pyramidinfer", "offload", "cla", "lococo"}
     assert implemented <= set(METHODS.names())

@@ -27,14 +27,13 @@ METHODS = Registry(
         "infllm": "kvbench.methods.infllm:InfLLM",
         "pyramidinfer": "kvbench.methods.pyramidinfer:PyramidInfer",
         "offload": "kvbench.methods.offload:BrutalOffload",
+        "cla": "kvbench.methods.cla:CLA",
+        "lococo": "kvbench.methods.lococo:LoCoCo",
     },
     pending={
         **{
             name: _BASELINE
-            for name in (
-                "cam", "roco", "local", "lminfinite", "sirllm", "cla",
-                "lococo",
-            )
+            for name in ("cam", "roco", "local", "lminfinite", "sirllm")
         },
     },
 )
