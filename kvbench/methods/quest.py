@@ -41,7 +41,7 @@ class Quest(Method):
     Pages: ``page_size`` consecutive entries in position order (prompt and generated tokens alike, aligned at
     position 0, as Quest's paged cache), each with the per-channel minimum ``m`` and maximum ``M`` of its keys
     (post-RoPE, as Quest's ``estimate`` kernel reads them). Criticality of a page for query head ``h``:
-    ``Σ_c max(q_c m_c, q_c M_c)`` (paper Sec. 3.2, eq. in Fig. 5).
+    ``Σ_c max(q_c m_c, q_c M_c)`` (the paper's criticality estimate, Fig. 5).
 
     Budget: ``budget=C`` tokens is Quest's token budget; the page budget ``C // page_size`` *includes* the page
     holding the newest token, which is always attended (the kernel path, ``InferenceController``: top-k over all
