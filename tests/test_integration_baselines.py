@@ -55,17 +55,9 @@ def test_pyramidinfer_layers_average_the_budget(tmp_path):
     assert record["resident_kv_bytes"] == 128 * ENTRY
 
 
-def test_cla_untrained_proxy_halves_the_cache(tmp_path):
-    _, record = _job(tmp_path, "cla", "method.allow_untrained=true")
-    n = record["prompt_tokens"]
-    assert record["resident_kv_bytes"] == n * ENTRY // 2
-    assert record["layer_entries"] == [n, 0] * 15
-
-
 @pytest.mark.parametrize("method, message", [
     ("offload", "method 'offload' needs the model on a CUDA device"),
     ("lococo", "method 'lococo' (Cai et al. 2024, arXiv:2406.05317) needs its learned 1-D convolution kernels"),
-    ("cla", "method 'cla' (Cross-Layer Attention"),
 ])
 def test_refusals_are_one_line_before_loading(tmp_path, method, message):
     if method == "offload" and torch.cuda.is_available():

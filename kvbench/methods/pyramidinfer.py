@@ -41,11 +41,7 @@ def paper_contexts(n: int, num_layers: int, recent_ratio: float, ratio: float, s
     contexts = [n - 1 - recent]
     for layer in range(num_layers - 1):
         c, s = contexts[-1], decay(layer, num_layers, ratio, strategy)
-        nxt = c
-        if c > min_ctx and s < 1.0:
-            t = int(c * s)
-            nxt = t if t > min_ctx else c
-        contexts.append(nxt)
+        contexts.append(int(c * s) if s < 1.0 and int(c * s) > min_ctx else c)  # int(c s) > min implies c > min
     return 1 + recent, contexts
 
 
@@ -61,14 +57,10 @@ def budget_contexts(n: int, budget: int, window: int, num_layers: int, ratio: fl
     for layer in range(num_layers - 1):
         profile.append(profile[-1] * decay(layer, num_layers, ratio, strategy))
     lo = min(min_context, budget - window)
-
-    def total(scale: float) -> float:
-        return sum(min(hi, max(lo, scale * p)) for p in profile)
-
     low, high = 0.0, hi / min(profile)
-    for _ in range(200):
+    for _ in range(200):  # bisect the scale whose clamped profile sums to the target
         mid = (low + high) / 2
-        low, high = (mid, high) if total(mid) < target else (low, mid)
+        low, high = (mid, high) if sum(min(hi, max(lo, mid * p)) for p in profile) < target else (low, mid)
     counts = [math.floor(min(hi, max(lo, high * p))) for p in profile]
     remainder = target - sum(counts)
     for layer in range(num_layers):  # +1 to the first layers with room: stays non-increasing
@@ -80,29 +72,26 @@ def budget_contexts(n: int, budget: int, window: int, num_layers: int, ratio: fl
 
 @dataclass
 class PyramidInfer(Method):
-    """Layer ``l`` keeps the *pivotal context* (PvC) chosen by layer ``l - 1`` plus the recent window; layer 0 keeps
-    what its own attention chooses. A layer chooses its PvC from the context it holds: tokens with the highest
-    attention from the recent window's queries, averaged over query heads, weighted by ``linspace(1,
-    distance_weight)`` from the oldest to the newest recent query and averaged over them; the first ``sink_size``
-    tokens are always kept (code: ``streamingllm_sink_len``). One PvC per layer for all heads.
+    """Layer ``l`` keeps the *pivotal context* (PvC) chosen by layer ``l - 1`` plus the recent window of W tokens
+    (layer 0: its own choice). A layer's PvC: the context tokens it holds with the highest attention from the W
+    recent queries, mean over query heads, weighted ``linspace(1, distance_weight)`` from the oldest to the newest
+    query and averaged; the first ``sink_size`` tokens always stay (``streamingllm_sink_len``); one PvC for all heads.
 
     Prefill: with ``prefill_mask`` (default) layer ``l``'s prompt attention only sees the keys layer ``l - 1`` kept,
-    which is what the official code computes by dropping the other tokens' hidden states (they are neither keys nor,
-    for the kept tokens, inputs of any later layer; kvbench still computes their rows, whose outputs nothing reads).
-    ``prefill_mask=false`` keeps full prompt attention and only evicts.
+    which is what the code computes by dropping the other tokens' hidden states (kvbench still computes those rows;
+    nothing reads them). ``prefill_mask=false``: full prompt attention, eviction only.
 
-    Sizes: ``allocation=budget`` (default): window ``W = 1 + int(recent_ratio C)`` and context entries per layer with
-    the official compounding profile ``Π_{i<l} s(i)``, ``s(l) = (1 - r)(cos(π l / L) + 1)/2 + r`` (``decay_ratio``
-    r, cosine), scaled so that the layers average exactly the budget C (layer 0 then evicts too, which the official
-    code never does). ``allocation=paper``: the code's own sizes (budget unused): ``W = 1 + int(0.2 n)``, layers 0-1
-    keep the whole prompt, ``c_{l+1} = int(c_l s(l))`` unless ``<= min_context``.
+    Sizes: ``allocation=budget`` (default): ``W = 1 + int(recent_ratio C)``, context entries per layer following the
+    code's compounding profile ``Π_{i<l} s(i)``, ``s(l) = (1 - r)(cos(π l / L) + 1)/2 + r`` (r = ``decay_ratio``),
+    scaled so layers average exactly the budget C (so layer 0 evicts too, which the code never does).
+    ``allocation=paper``: the code's sizes, budget unused: ``W = 1 + int(0.2 n)``, layers 0-1 keep the prompt,
+    ``c_{l+1} = int(c_l s(l))`` unless that is ``<= min_context``.
 
-    Decode (README's intent): prompt entries are never compressed again; once ``gen_chunk`` generated entries have
-    left the last-W window, they are reduced to ``max(1, int(gen_chunk * gen_compress_ratio * s_gen(l)))`` by the
-    same score over the last W queries' attention rows (``s_gen`` the cosine schedule of ``gen_decay_ratio``). The
-    code compares the total number of tokens seen with the layer's own length, so it re-compresses the kept prompt
-    entries before the window at every step; not reproduced. Defaults: ``configs/llama2_7b.json`` = llama3_8b.json.
-    Batch size 1.
+    Decode (the README's intent): prompt entries are never compressed again; every ``gen_chunk`` generated entries
+    that left the last-W window keep ``max(1, int(gen_chunk * gen_compress_ratio * s_gen(l)))`` by the same score
+    over the last W queries' rows (``s_gen``: cosine of ``gen_decay_ratio``). The code compares tokens seen with the
+    layer's own length and so re-compresses kept prompt entries at every step; not reproduced.
+    Defaults: ``configs/llama2_7b.json`` (= ``llama3_8b.json``). Batch size 1.
     """
 
     name: ClassVar[str] = "pyramidinfer"
