@@ -32,7 +32,7 @@ def slurm_env():
         pytest.skip("the local Slurm is installed from Debian packages (dpkg/apt not found)")
     env = {**os.environ, "SLURM_LOCAL_PREFIX": PREFIX}
     slurm = {"SLURM_CONF": f"{PREFIX}/etc/slurm.conf"}
-    was_up = Path(slurm["SLURM_CONF"]).exists() and subprocess.run(
+    was_up = Path(slurm["SLURM_CONF"]).exists() and shutil.which("scontrol") is not None and subprocess.run(
         ["scontrol", "ping"], capture_output=True, timeout=30, env={**env, **slurm}).returncode == 0
     started = time.time()
     proc = subprocess.run(["bash", str(REPO / "scripts/slurm/start_local_slurm.sh")], capture_output=True, text=True,
