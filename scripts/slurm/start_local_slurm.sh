@@ -69,14 +69,14 @@ chmod 700 "$PREFIX/lib/munge"
 alive() {  # alive <pidfile> <comm>: the pid file names a live, non-zombie process called <comm>
   local pid state
   [ -s "$1" ] || return 1
-  pid=$(tr -dc '0-9' < "$1" 2>/dev/null) || return 1
+  pid=$({ tr -dc '0-9' < "$1"; } 2>/dev/null) || return 1
   [ -n "$pid" ] && [ -r "/proc/$pid/stat" ] || return 1
   state=$(sed "s/^.*) //" "/proc/$pid/stat" 2>/dev/null | cut -d" " -f1)
   [ "$state" != Z ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
 }
 stop_pidfile() {  # stop_pidfile <pidfile> <comm>
   alive "$1" "$2" || return 0
-  local pid; pid=$(tr -dc '0-9' < "$1" 2>/dev/null) || return 0
+  local pid; pid=$({ tr -dc '0-9' < "$1"; } 2>/dev/null) || return 0
   kill "$pid" 2>/dev/null || true
   for _ in $(seq 100); do alive "$1" "$2" || return 0; sleep 0.1; done
   kill -9 "$pid" 2>/dev/null || true

@@ -13,7 +13,7 @@ RUN=$PREFIX/run
 alive() {  # alive <pidfile> <comm>: the pid file names a live, non-zombie process called <comm>
   local pid state
   [ -s "$1" ] || return 1
-  pid=$(tr -dc '0-9' < "$1" 2>/dev/null) || return 1
+  pid=$({ tr -dc '0-9' < "$1"; } 2>/dev/null) || return 1
   [ -n "$pid" ] && [ -r "/proc/$pid/stat" ] || return 1
   state=$(sed "s/^.*) //" "/proc/$pid/stat" 2>/dev/null | cut -d" " -f1)
   [ "$state" != Z ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
@@ -21,7 +21,7 @@ alive() {  # alive <pidfile> <comm>: the pid file names a live, non-zombie proce
 
 stop() {  # stop <pidfile> <comm>
   if ! alive "$1" "$2"; then echo "stop_local_slurm: $2 not running"; return 0; fi
-  local pid; pid=$(tr -dc '0-9' < "$1" 2>/dev/null) || return 0
+  local pid; pid=$({ tr -dc '0-9' < "$1"; } 2>/dev/null) || return 0
   kill "$pid" 2>/dev/null || true
   for _ in $(seq 100); do
     if ! alive "$1" "$2"; then echo "stop_local_slurm: stopped $2 ($pid)"; return 0; fi
