@@ -18,9 +18,29 @@ def project_root() -> str:
     return str(Path.home() / "kvbench")
 
 
+def local_workers() -> int:
+    """launcher=local: one worker per visible GPU, at least one."""
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def wandb_mode() -> str:
+    """logger=wandb: WANDB_MODE if set, else online when an API key is configured, else offline."""
+    import os
+
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("kvbench_root"):
         OmegaConf.register_new_resolver("kvbench_root", project_root)
+    if not OmegaConf.has_resolver("kvbench_local_workers"):
+        OmegaConf.register_new_resolver("kvbench_local_workers", local_workers)
+    if not OmegaConf.has_resolver("kvbench_wandb_mode"):
+        OmegaConf.register_new_resolver("kvbench_wandb_mode", wandb_mode)
 
 
 register_resolvers()

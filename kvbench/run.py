@@ -162,8 +162,11 @@ def _task_fields(task: Any) -> dict[str, Any]:
     return {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name != "data_dir"}
 
 
-def run_job(cfg: DictConfig) -> dict[str, Any]:
-    """Run (or resume, or skip) one job; returns its scores."""
+def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
+    """Run (or resume, or skip) one job; returns its scores.
+
+    ``loaded``: None loads the job's model here; a LoadedModel, or a callable ``spec -> LoadedModel`` (the sweep
+    worker's model cache), shares a model that is already in memory. Timings never include the load."""
     import torch
     from tqdm import tqdm
 
@@ -172,20 +175,20 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     job = plan_job(cfg)
     results_dir = Path(cfg.paths.results_dir)
     jobdir = JobDir(results_dir, job.parts, job.key)
-    done_scores = jobdir.read_scores()
-    if done_scores is not None and done_scores.get("limit") == cfg.limit:
+    done_scores = jobdir.finished_scores(cfg.limit)
+    if done_scores is not None:
         log.info("finished already: %s", jobdir.path)
         _print_table(cfg, job, done_scores, jobdir, skipped=True)
         return done_scores
 
     from kvbench.engine import CompressionSession, greedy_generate
-    from kvbench.models import load_model
     from kvbench.tasks.encoding import decode_prediction, encode_sample
 
     torch.manual_seed(cfg.seed)
     job.task.prepare_data()  # a missing download fails here, before the model loads
     with jobdir:
-        loaded = load_model(job.spec)
+        shared = loaded is not None
+        loaded = _obtain_model(job.spec, loaded)
         samples = job.task.samples(loaded.tokenizer)
         if cfg.limit is not None:
             samples = samples[: cfg.limit]
@@ -194,6 +197,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         todo = [s for s in samples if s.id not in done]
         jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key, "resolved": _resolved(cfg)})))
         meta = _meta(job, jobdir.hash, loaded, cfg, started=time.time())
+        meta["model"]["shared_load"] = shared  # loaded once by a sweep worker for several jobs (its record has it)
         jobdir.write_meta(meta)
         bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget_label}",
                    unit="sample", disable=None)
@@ -248,9 +252,22 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         meta.update(_meta_end(loaded, records, finished=time.time()))
         jobdir.write_meta(meta)
         jobdir.write_scores(scores)
-    _log_wandb(cfg, job, scores, records)
+    _log_wandb(cfg, job, scores, records, meta)
     _print_table(cfg, job, scores, jobdir, skipped=False)
     return scores
+
+
+def _obtain_model(spec: Any, loaded: Any) -> Any:
+    """The job's model: loaded here, taken from the caller's model cache, or the caller's loaded model."""
+    from kvbench.models import load_model
+
+    if loaded is None:
+        return load_model(spec)
+    if callable(loaded):
+        return loaded(spec)
+    if loaded.spec != spec:
+        raise ValueError(f"the model passed in is {loaded.spec.name!r} but the job needs {spec.name!r} ({spec})")
+    return loaded
 
 
 _RECORD_DEFAULTS = {
@@ -368,18 +385,12 @@ def _meta_end(loaded: Any, records: list[dict], finished: float) -> dict[str, An
     }
 
 
-def _log_wandb(cfg: DictConfig, job: Job, scores: dict, records: list[dict]) -> None:
+def _log_wandb(cfg: DictConfig, job: Job, scores: dict, records: list[dict], meta: dict) -> None:
     if cfg.logger.name != "wandb":
         return
-    import wandb
+    from kvbench.loggers import log_job_to_wandb
 
-    run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, mode=cfg.logger.mode,
-                     group=cfg.logger.group, tags=list(cfg.logger.tags), config=job.key,
-                     dir=str(Path(cfg.paths.log_dir)), reinit="finish_previous")
-    run.summary.update({k: v for k, v in scores.items() if isinstance(v, (int, float, str))})
-    columns = ["id", "score", "prediction", "prompt_tokens", "resident_kv_bytes", "prefill_seconds"]
-    run.log({"samples": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])})
-    run.finish()
+    log_job_to_wandb(cfg, job, scores, records, meta)
 
 
 def _print_table(cfg: DictConfig, job: Job, scores: dict, jobdir: Any, skipped: bool) -> None:
@@ -406,6 +417,15 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    if cfg.get("sweep_chunk"):  # a worker launched by kvbench's sweeper: several jobs, one model load
+        from kvbench.sweep.worker import run_worker
+
+        return run_worker(cfg.sweep_chunk)
+    if cfg.plan:  # list this one job and its state in the store; run nothing
+        from kvbench.sweep.plan import format_listing, plan_config
+
+        print(format_listing([plan_config(cfg)]))
+        return None
     try:
         scores = run_job(cfg)
     except KVBenchError as exc:
@@ -424,7 +444,19 @@ def main() -> None:
     except KVBenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    if _is_sweep(sys.argv[1:]):  # a paper's table names baselines that have not landed: list them, do not fail
+        from kvbench.sweep.pending import register_pending_placeholders
+
+        register_pending_placeholders()
     _hydra_main()
+    sweeper = sys.modules.get("kvbench.sweep.sweeper")
+    if sweeper is not None and sweeper.sweep_exit_code():
+        sys.exit(sweeper.sweep_exit_code())
+
+
+def _is_sweep(argv: list[str]) -> bool:
+    """-m, or an experiment (experiments set hydra.mode=MULTIRUN)."""
+    return any(a in ("-m", "--multirun") or a.lstrip("+").startswith("experiment=") for a in argv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
         meta.json       git sha, package versions, hardware, protocol, timings, memory
         samples.jsonl   one record per finished sample, appended and fsynced as it finishes
         scores.json     aggregate scores over the planned samples (written atomically, last)
+        failed.json     why the last attempt failed (exception, cancellation, dead worker; host, time, traceback
+                        tail), written by the sweep worker; removed when scores.json is written
         .lock           held (flock) by the process running the job
 
 A killed job resumes after its last complete record; a torn last line is cut off before appending. A job whose
@@ -78,6 +80,10 @@ class JobDir:
     def scores_path(self) -> Path:
         return self.path / "scores.json"
 
+    @property
+    def failure_path(self) -> Path:
+        return self.path / "failed.json"
+
     # ---- locking -------------------------------------------------------------------------------------------------
     def __enter__(self) -> JobDir:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -95,6 +101,19 @@ class JobDir:
             fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
             self._lock_fh.close()
             self._lock_fh = None
+
+    def lock_held(self) -> bool:
+        """Whether some process holds the job's lock right now (a probe; it takes and drops the lock if free)."""
+        lock = self.path / ".lock"
+        if self._lock_fh is not None or not lock.exists():
+            return self._lock_fh is not None
+        with open(lock, "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
 
     # ---- contents -----------------------------------------------------------------------------------------------
     def write_config(self, text: str) -> None:
@@ -114,6 +133,11 @@ class JobDir:
             return json.loads(self.scores_path.read_text())
         except json.JSONDecodeError:
             return None
+
+    def finished_scores(self, limit: int | None) -> dict[str, Any] | None:
+        """The scores of a finished run with the same ``limit`` (what ``run_job`` and the sweep skip), else None."""
+        scores = self.read_scores()
+        return scores if scores is not None and scores.get("limit") == limit else None
 
     def is_finished(self, planned_ids: list[str]) -> bool:
         scores = self.read_scores()
@@ -145,4 +169,18 @@ class JobDir:
             os.fsync(fh.fileno())
 
     def write_scores(self, scores: dict[str, Any]) -> None:
+        """Write the final scores; a job that finishes is no longer failed, so its failure record goes."""
         atomic_write_text(self.scores_path, json.dumps(scores, indent=2, sort_keys=True, default=str) + "\n")
+        self.failure_path.unlink(missing_ok=True)
+
+    # ---- failures ------------------------------------------------------------------------------------------------
+    def write_failure(self, failure: dict[str, Any]) -> None:
+        """Record why the last attempt failed (the sweep lists it; the next successful run removes it)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.failure_path, json.dumps(failure, indent=2, sort_keys=True, default=str) + "\n")
+
+    def read_failure(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.failure_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None

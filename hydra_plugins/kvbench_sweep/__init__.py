@@ -1,0 +1,1 @@
+"""kvbench's Hydra plugins: the sweeper (kvbench_sweeper) and launchers that wait for every job (kvbench_launchers)."""
