@@ -112,7 +112,8 @@ def inspect(path: Path) -> JobReport:
         report.state = "failed"
         try:
             cause = json.loads((path / "failed.json").read_text())
-            report.problems.append(f"failed: {cause.get('type', '?')}: {str(cause.get('message', ''))[:120]}")
+            error = cause.get("error") or f"{cause.get('type', '?')}: {cause.get('message', '')}"
+            report.problems.append(f"failed ({cause.get('kind', 'exception')}): {str(error)[:120]}")
         except ValueError:
             report.problems.append("failed (failed.json unreadable)")
     elif scores is None:
