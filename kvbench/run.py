@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.budget import Budget
 from kvbench.config import CONF_DIR, register_resolvers
-from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
+from kvbench.errors import ConfigError, DataError, KVBenchError, NotAvailableError
 
 log = logging.getLogger("kvbench")
 GROUPS = ("model", "method", "task", "launcher", "logger", "experiment")
@@ -181,8 +181,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         _print_table(cfg, job, done_scores, jobdir, skipped=True)
         return done_scores
 
-    from kvbench.engine import CompressionSession, greedy_generate
-    from kvbench.tasks.encoding import decode_prediction, encode_sample
+    from kvbench.engine import CompressionSession
 
     torch.manual_seed(cfg.seed)
     job.task.prepare_data()  # a missing download fails here, before the model loads
@@ -204,51 +203,41 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         def new_session() -> CompressionSession:
             return CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode)
 
+        strict = bool(cfg.get("strict", False))
+        jobdir.clear_errors()
         for start in range(0, len(todo), cfg.batch_size):
             batch = todo[start : start + cfg.batch_size]
-            custom = job.task.evaluate(batch, loaded, new_session)  # perplexity / loglikelihood tasks
-            if custom is not None:
-                for record in custom:
-                    jobdir.append_record({**_RECORD_DEFAULTS, "batch_size": len(batch), **record})
-                    bar.update(1)
-                continue
-            prompts = [encode_sample(job.task, s, loaded.tokenizer, job.spec) for s in batch]
-            limits = [job.task.max_new_tokens_for(s) for s in batch]
-            should_stop = _stop_checker([job.task.stop_strings_for(s) for s in batch], limits, loaded.tokenizer)
-
-            with new_session() as sess:
-                out = greedy_generate(loaded.model, prompts, max(limits), loaded.eos_token_ids,
-                                      loaded.tokenizer.pad_token_id, should_stop)
-            stats = sess.stats
-            for row, sample in enumerate(batch):
-                raw = decode_prediction(job.task, out.tokens[row], loaded.tokenizer, sample)
-                prediction = job.task.postprocess(raw, sample)
-                record = {
-                    "id": sample.id,
-                    "prediction": prediction,
-                    "raw_prediction": raw,
-                    "answers": sample.answers,
-                    "score": job.task.score(prediction, sample),
-                    "meta": sample.meta,
-                    "prompt_tokens": len(prompts[row]),
-                    "new_tokens": len(out.tokens[row]),
-                    "prefill_seconds": out.prefill_seconds / len(batch),
-                    "decode_seconds": out.decode_seconds / len(batch),
-                    "decode_steps": out.decode_steps,
-                    "batch_size": len(batch),
-                    "resident_kv_bytes": stats.resident_kv_bytes_after_prefill // len(batch),
-                    "resident_kv_bytes_final": out.resident_kv_bytes_final // len(batch),
-                    "layer_entries": stats.layer_entries_after_prefill,
-                    "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
-                }
-                method_stats = job.method.sample_stats(row)
-                if method_stats:
-                    record["method_stats"] = method_stats
-                jobdir.append_record(record)
+            try:
+                done_records = _run_batch(job, batch, loaded, new_session)
+            except (KVBenchError, torch.OutOfMemoryError):
+                raise  # the user's input or the machine: the whole job stops (a sweep records it)
+            except Exception as exc:
+                if strict:
+                    raise
+                done_records = []
+                for sample in batch:  # isolate the failing sample(s): a batch's rows are retried alone once
+                    try:
+                        if len(batch) == 1:
+                            raise exc
+                        done_records += _run_batch(job, [sample], loaded, new_session)
+                    except (KVBenchError, torch.OutOfMemoryError):
+                        raise
+                    except Exception as row_exc:
+                        log.error("sample %s failed: %s: %s", sample.id, type(row_exc).__name__, row_exc)
+                        jobdir.append_error(_sample_error(sample, row_exc))
+                        bar.update(1)
+            for record in done_records:
+                _append(jobdir, record)
                 bar.update(1)
         bar.close()
         records = [r for r in jobdir.read_records() if r["id"] in {s.id for s in samples}]
         scores = _scores(job, records, samples, cfg)
+        errors = jobdir.read_errors()
+        scores["n_failed"] = len(errors)
+        scores["failed_ids"] = [e["id"] for e in errors]
+        if errors:
+            log.error("%d sample(s) failed (ids in scores.json, causes in %s); the scores cover the others and a "
+                      "rerun retries them", len(errors), jobdir.errors_path)
         meta.update(_meta_end(loaded, records, finished=time.time()))
         jobdir.write_meta(meta)
         jobdir.write_scores(scores)
@@ -268,6 +257,70 @@ def _obtain_model(spec: Any, loaded: Any) -> Any:
     if loaded.spec != spec:
         raise ValueError(f"the model passed in is {loaded.spec.name!r} but the job needs {spec.name!r} ({spec})")
     return loaded
+
+
+def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any) -> list[dict[str, Any]]:
+    """Records of one batch: the task's own evaluation, or generation then scoring."""
+    from kvbench.engine import greedy_generate
+    from kvbench.tasks.encoding import decode_prediction, encode_sample
+
+    custom = job.task.evaluate(batch, loaded, new_session)  # perplexity / loglikelihood tasks
+    if custom is not None:
+        return [{**_RECORD_DEFAULTS, "batch_size": len(batch), **record} for record in custom]
+    prompts = [encode_sample(job.task, s, loaded.tokenizer, job.spec) for s in batch]
+    limits = [job.task.max_new_tokens_for(s) for s in batch]
+    should_stop = _stop_checker([job.task.stop_strings_for(s) for s in batch], limits, loaded.tokenizer)
+    with new_session() as sess:
+        out = greedy_generate(loaded.model, prompts, max(limits), loaded.eos_token_ids,
+                              loaded.tokenizer.pad_token_id, should_stop)
+    stats = sess.stats
+    records = []
+    for row, sample in enumerate(batch):
+        raw = decode_prediction(job.task, out.tokens[row], loaded.tokenizer, sample)
+        prediction = job.task.postprocess(raw, sample)
+        record = {
+            "id": sample.id,
+            "prediction": prediction,
+            "raw_prediction": raw,
+            "answers": sample.answers,
+            "score": job.task.score(prediction, sample),
+            "meta": sample.meta,
+            "prompt_tokens": len(prompts[row]),
+            "new_tokens": len(out.tokens[row]),
+            "prefill_seconds": out.prefill_seconds / len(batch),
+            "decode_seconds": out.decode_seconds / len(batch),
+            "decode_steps": out.decode_steps,
+            "batch_size": len(batch),
+            "resident_kv_bytes": stats.resident_kv_bytes_after_prefill // len(batch),
+            "resident_kv_bytes_final": out.resident_kv_bytes_final // len(batch),
+            "layer_entries": stats.layer_entries_after_prefill,
+            "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
+        }
+        method_stats = job.method.sample_stats(row)
+        if method_stats:
+            record["method_stats"] = method_stats
+        records.append(record)
+    return records
+
+
+def _sample_error(sample: Any, exc: BaseException) -> dict[str, Any]:
+    import traceback
+
+    return {"id": sample.id, "error": f"{type(exc).__name__}: {exc}",
+            "traceback": "".join(traceback.format_exception(exc)[-6:]), "time": time.time()}
+
+
+def _append(jobdir: Any, record: dict[str, Any]) -> None:
+    """Append a record; a full disk is the user's problem to fix, said in one line (earlier records are intact)."""
+    import errno
+
+    try:
+        jobdir.append_record(record)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"no space left on the device writing {jobdir.samples_path}; the records written "
+                            "before are intact, free space and run the job again to resume") from None
+        raise
 
 
 _RECORD_DEFAULTS = {

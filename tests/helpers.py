@@ -111,3 +111,16 @@ class PerSampleLimitsTask(Task):
 
     def score(self, prediction: str, sample: Sample) -> float:
         return 0.0
+
+
+@dataclass
+class FlakyScorerTask(PerSampleLimitsTask):
+    """PerSampleLimitsTask whose scorer raises for the ids in ``bad`` (a scorer bug or a malformed row)."""
+
+    name: ClassVar[str] = "flaky_scorer"
+    bad: list[str] = field(default_factory=lambda: ["s1"])
+
+    def score(self, prediction: str, sample: Sample) -> float:
+        if sample.id in self.bad:
+            raise ValueError(f"cannot score {sample.id}")
+        return 1.0

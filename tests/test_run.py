@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from kvbench.config import CONF_DIR, register_resolvers
 from kvbench.run import plan_job
@@ -250,3 +251,75 @@ def test_pod_jobs_are_keyed_by_their_window_not_the_unused_budget():
     b = plan_job(_compose(["method=pod", "budget=0.5"]))
     c = plan_job(_compose(["method=pod", "method.n_r=256"]))
     assert a.key == b.key and a.parts[3] == "window16+4080" and c.parts[3] == "window16+256" and c.key != a.key
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_failing_sample_is_recorded_and_the_job_goes_on(tmp_path, monkeypatch, batch_size):
+    from kvbench.run import run_job
+    from kvbench.tasks import TASKS
+
+    monkeypatch.setitem(TASKS.entries, "flaky_scorer", "helpers:FlakyScorerTask")
+    cfg = _compose(["model=tiny-random", "method=fullkv", f"batch_size={batch_size}", "print_table=false",
+                    f"paths.results_dir={tmp_path}"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.task = {"name": "flaky_scorer"}
+    scores = run_job(cfg)
+    (job,) = sorted((tmp_path / "runs").glob("*/*/*/*/*"))
+    records = [json.loads(x) for x in (job / "samples.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == ["s0", "s2"]
+    (error,) = [json.loads(x) for x in (job / "errors.jsonl").read_text().splitlines()]
+    assert error["id"] == "s1" and error["error"] == "ValueError: cannot score s1" and "Traceback" in error["traceback"]
+    assert scores["n_failed"] == 1 and scores["failed_ids"] == ["s1"] and scores["n_samples"] == 2
+    # not finished: a rerun (scorer fixed) retries only the failed sample
+    cfg2 = _compose(["model=tiny-random", "method=fullkv", f"batch_size={batch_size}", "print_table=false",
+                     f"paths.results_dir={tmp_path}"])
+    OmegaConf.set_struct(cfg2, False)
+    cfg2.task = {"name": "flaky_scorer"}
+    import helpers
+
+    monkeypatch.setattr(helpers.FlakyScorerTask, "score", lambda self, p, s: 1.0)
+    scores = run_job(cfg2)
+    assert scores["n_failed"] == 0 and scores["n_samples"] == 3 and not (job / "errors.jsonl").exists()
+    assert len((job / "samples.jsonl").read_text().splitlines()) == 3
+
+
+def test_strict_stops_at_the_first_failing_sample(tmp_path, monkeypatch):
+    from kvbench.run import run_job
+    from kvbench.tasks import TASKS
+
+    monkeypatch.setitem(TASKS.entries, "flaky_scorer", "helpers:FlakyScorerTask")
+    cfg = _compose(["model=tiny-random", "method=fullkv", "strict=true", "print_table=false",
+                    f"paths.results_dir={tmp_path}"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.task = {"name": "flaky_scorer"}
+    with pytest.raises(ValueError, match="cannot score s1"):
+        run_job(cfg)
+    (job,) = sorted((tmp_path / "runs").glob("*/*/*/*/*"))
+    assert [json.loads(x)["id"] for x in (job / "samples.jsonl").read_text().splitlines()] == ["s0"]
+    assert not (job / "scores.json").exists()
+
+
+def test_a_full_disk_is_one_clear_error_and_keeps_earlier_records(tmp_path, monkeypatch):
+    import errno
+
+    from kvbench.errors import DataError
+    from kvbench.run import run_job
+    from kvbench.store import JobDir
+    from kvbench.tasks import TASKS
+
+    monkeypatch.setitem(TASKS.entries, "flaky_scorer", "helpers:FlakyScorerTask")
+    real = JobDir.append_record
+
+    def append(self, record):
+        if record["id"] == "s1":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, record)
+
+    monkeypatch.setattr(JobDir, "append_record", append)
+    cfg = _compose(["model=tiny-random", "method=fullkv", "print_table=false", f"paths.results_dir={tmp_path}"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.task = {"name": "flaky_scorer", "bad": []}
+    with pytest.raises(DataError, match="no space left on the device writing .*samples.jsonl; the records written"):
+        run_job(cfg)
+    (job,) = sorted((tmp_path / "runs").glob("*/*/*/*/*"))
+    assert [json.loads(x)["id"] for x in (job / "samples.jsonl").read_text().splitlines()] == ["s0"]

@@ -4,6 +4,7 @@
         config.yaml     the resolved job config (the hashed part under ``key``)
         meta.json       git sha, package versions, hardware, protocol, timings, memory
         samples.jsonl   one record per finished sample, appended and fsynced as it finishes
+        errors.jsonl    samples that raised in the last run (id, error, traceback); they get no record and are retried
         scores.json     aggregate scores over the planned samples (written atomically, last)
         failed.json     why the last attempt failed (exception, cancellation, dead worker; host, time, traceback
                         tail), written by the sweep worker; removed when scores.json is written
@@ -137,7 +138,9 @@ class JobDir:
     def finished_scores(self, limit: int | None) -> dict[str, Any] | None:
         """The scores of a finished run with the same ``limit`` (what ``run_job`` and the sweep skip), else None."""
         scores = self.read_scores()
-        return scores if scores is not None and scores.get("limit") == limit else None
+        if scores is None or scores.get("limit") != limit or scores.get("n_failed"):
+            return None  # a run with failed samples is not finished: the next run retries them
+        return scores
 
     def is_finished(self, planned_ids: list[str]) -> bool:
         scores = self.read_scores()
@@ -167,6 +170,32 @@ class JobDir:
             fh.write(line)
             fh.flush()
             os.fsync(fh.fileno())
+
+    @property
+    def errors_path(self) -> Path:
+        return self.path / "errors.jsonl"
+
+    def append_error(self, error: dict[str, Any]) -> None:
+        """A sample that raised (its record is not written, so a rerun retries it)."""
+        with open(self.errors_path, "a") as fh:
+            fh.write(json.dumps(error, sort_keys=True, default=str) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def read_errors(self) -> list[dict[str, Any]]:
+        if not self.errors_path.exists():
+            return []
+        out = []
+        for line in self.errors_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a torn line of a killed run
+        return out
+
+    def clear_errors(self) -> None:
+        """Start of a (re)run: earlier sample failures are retried, so their records go."""
+        self.errors_path.unlink(missing_ok=True)
 
     def write_scores(self, scores: dict[str, Any]) -> None:
         """Write the final scores; a job that finishes is no longer failed, so its failure record goes."""
