@@ -40,7 +40,8 @@ def test_verify_classifies_and_cleans(tmp_path, capsys):
     temp = _job(tmp_path, "temp")
     (temp.path / ".scores.json.x1y2").write_text("{")
     failed = _job(tmp_path, "failed", records=1, scores=False)
-    (failed.path / "failed.json").write_text(json.dumps({"kind": "exception", "error": "OutOfMemoryError: CUDA out of memory"}))
+    cause = {"kind": "exception", "error": "OutOfMemoryError: CUDA out of memory"}
+    (failed.path / "failed.json").write_text(json.dumps(cause))
     overcount = _job(tmp_path, "overcount", records=1)
     overcount.write_scores({"n_samples": 5})
     running = _job(tmp_path, "running", scores=False)
