@@ -118,6 +118,9 @@ def inspect(path: Path) -> JobReport:
             report.problems.append("failed (failed.json unreadable)")
     elif scores is None:
         report.state = "incomplete"
+    elif scores.get("n_failed"):
+        report.state = "failed"
+        report.problems.append(f"{scores['n_failed']} sample(s) failed (errors.jsonl); a rerun retries them")
     if report.torn and report.state != "running":
         report.problems.append("torn last record line")
     return report
