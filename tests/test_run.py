@@ -81,7 +81,6 @@ BAD = [
     (["method=pyramidkv", "budget=4"], "budget=4 is below"),
     (["method=sirllm", "task=coqa"],
      "method 'sirllm' is not implemented yet (arrives with issue #4, the other baselines); available: "),
-    (["method=sirllm", "task=coqa"], "task 'coqa' is not implemented yet (arrives with issue #5"),
     (["task=infinitebench", "task.data_dir=/nonexistent/infinitebench"], "/nonexistent/infinitebench"),
     (["task=infinitebench", "task.datasets=[passkey,kv_retrival]"], "kv_retrival"),
     (["method=snapkvv", "model=llama9"], "unknown method 'snapkvv'; valid methods: "),
@@ -96,6 +95,15 @@ BAD = [
     (["task.haystack_dir=/nonexistent/essays"], "haystack_dir='/nonexistent/essays'"),
     (["limit=0"], "limit=0"),
     (["position_mode=shifted"], "position_mode='shifted'"),
+    (["method=omnikv", "batch_size=2"], "method 'omnikv' is defined per sequence; use batch_size=1 (got 2)"),
+    (["method=offload"], "method 'offload' needs the model on a CUDA device"),
+    (["model.source=hf", "model.path=/nonexistent/ckpt"], "model path '/nonexistent/ckpt' does not exist"),
+    (["task=leval", "task.datasets=[nope]"], "datasets ['nope'] are not LEval datasets (valid: coursera"),
+    (["method=pod", "method.block_map=/nonexistent/map.json"], "block_map='/nonexistent/map.json' cannot be read"),
+    (["method=lococo"], "method 'lococo'"),
+    (["task=zeroscrolls", "task.data_dir=/nonexistent/zs"], "data_dir='/nonexistent/zs' is not a directory"),
+    (["method=h2o", "method.recent_ratio=1.5"], "recent_ratio=1.5 must be in (0, 1)"),
+    (["seed=abc"], "seed='abc' must be an integer"),
 ]
 
 
