@@ -23,13 +23,17 @@ METHODS = Registry(
         "kvmerger": "kvbench.methods.kvmerger:KVMerger",
         "d2o": "kvbench.methods.d2o:D2O",
         "pod": "kvbench.methods.pod:POD",
+        "cam": "kvbench.methods.cam:CaM",
+        "roco": "kvbench.methods.roco:RoCo",
+        "local": "kvbench.methods.local:LocalWindow",
+        "lminfinite": "kvbench.methods.lminfinite:LMInfinite",
+        "sirllm": "kvbench.methods.sirllm:SirLLM",
     },
     pending={
         **{
             name: _BASELINE
             for name in (
-                "cam", "roco", "local", "lminfinite", "quest", "infllm", "pyramidinfer", "sirllm", "offload", "cla",
-                "lococo",
+                "quest", "infllm", "pyramidinfer", "offload", "cla", "lococo",
             )
         },
     },
