@@ -47,6 +47,7 @@ class RoCo(Method):
     with the lowest std (the last ``exclude_last`` = 10 entries and ``sink_size`` first entries never), evict the
     candidates with the lowest mean S/c (EasyKV's ``h2o_head_std_avg``). ``recent_ratio`` = 0.3 is EasyKV's decode
     constant ("protected recent window": it only sizes the pool; nothing but the last 10 is protected explicitly).
+    Ties: equal std -> the older token enters the pool first; equal mean -> the lower std, then the older, goes.
 
     Prefill runs EasyKV's "encoding" loop inside the layer (``prefill_attend``): the first C prompt tokens attend
     causally, then the rest arrive in chunks of ``stride`` tokens that attend only to the kept cache and causally
@@ -57,10 +58,10 @@ class RoCo(Method):
     ``variant="easykv"`` reproduces EasyKV's ``encoding_decoding`` constants: during prefill ``recent_ratio=0.1``
     (its ``generation_config`` default) and 4 excluded sinks (``temp_length``), and the first C tokens' own
     attention is dropped (``keep_attention=False``: statistics start at the first chunk); decoding uses 0.3 and no
-    sinks. Deviation from EasyKV in both variants: its encoding loop keeps ``idx`` ∈ (C, C + stride] entries (the
-    budget is inflated by one stride); kvbench keeps exactly C (the last chunk may be shorter). Batch size 1 (the
-    official code indexes row 0). A prompt that fits the budget is not compressed; its statistics are the column
-    sums of its causal attention.
+    sinks (the ``recent_ratio`` and ``sink_size`` fields apply to ``variant="paper"``). Deviation from EasyKV in both
+    variants: its encoding loop keeps ``idx`` ∈ (C, C + stride] entries (the budget is inflated by one stride);
+    kvbench keeps exactly C (the last chunk may be shorter). Batch size 1 (the official code indexes row 0). A prompt
+    that fits the budget is not compressed; its statistics are the column sums of its causal attention.
     """
 
     name: ClassVar[str] = "roco"
