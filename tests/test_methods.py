@@ -221,4 +221,5 @@ def test_pending_methods_say_what_is_missing():
     implemented = {"fullkv", "streamingllm", "snapkv", "pyramidkv", "h2o"}
     implemented |= {"dynamickv", "omnikv", "d2o", "kvmerger", "pod"}
     implemented |= {"quest", "infllm", "pyramidinfer", "offload", "cla", "lococo"}
+    implemented |= {"cam", "roco", "local", "lminfinite", "sirllm"}
     assert implemented <= set(METHODS.names())

@@ -85,7 +85,7 @@ BAD = [
     (["task=infinitebench", "task.datasets=[passkey,kv_retrival]"], "kv_retrival"),
     (["method=snapkvv", "model=llama9"], "unknown method 'snapkvv'; valid methods: "),
     (["task=longbench", "task.data_dir=/nonexistent/longbench"], "/nonexistent/longbench"),
-    (["method=cam"], "method 'cam' is not implemented yet (arrives with issue #4"),
+    (["method=cam", "method.variant=decode"], "variant='decode' is not valid; valid: paper, prefill_only"),
     (["method=d2o", "method.beta=1.5"], "beta"),
     (["method.pooling=median"], "pooling='median'"),
     (["+method.windw=3"], "windw"),

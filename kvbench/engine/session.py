@@ -7,6 +7,12 @@
 While active, the model's attention implementation is ``kvbench_<impl>`` (registered via ``AttentionInterface``),
 and a forward pre-hook on every attention module converts the layer's cache into a ``KVLayer`` (works with the
 ``DynamicCache`` that ``generate`` creates, or with a ``KVCache`` passed in). On exit the model is restored.
+
+A method that scores tokens by the model's own predictions (``Method.needs_logits``, SirLLM's token entropy) also gets
+three hooks: a pre-hook on the model records the forward's ``input_ids``, a hook on the decoder stack
+(``get_decoder()``) records its final hidden states at every position (``generate`` and ``greedy_generate`` ask the
+head for the last position only, ``logits_to_keep=1``), and a hook on the model calls ``Method.observe_logits`` after
+the forward, i.e. before the next one, with a :class:`TokenLogits` that applies the output head in chunks.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from kvbench.budget import Budget
 from kvbench.engine.attention import ACTIVE_SESSION, backend_function, grouped_attention, register_backends
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
 from kvbench.engine.options import POSITION_MODES
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_rank
 
 _ROTATABLE_ROPE = ("default", "linear", "llama3")
@@ -58,6 +64,10 @@ class CompressionSession:
         self._prompt: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None  # set at layer 0's prefill
         self._hooks: list = []
         self._token = None
+        self._input_ids: torch.Tensor | None = None  # needs_logits: the current forward's tokens
+        self._hidden: torch.Tensor | None = None  # needs_logits: its final hidden states (B, q, H)
+        self._previous: torch.Tensor | None = None  # needs_logits: log-softmax of the previous forward's last position
+        self._prefill_forward = False
         self._inv_freq = self._rope_inv_freq() if position_mode == "compact" else None
         #: RoPE frequencies for methods that re-rotate keys (LM-Infinite's distance ceiling); None if not rotatable
         self.rope_inv_freq = self._inv_freq if self._inv_freq is not None else self._rope_inv_freq(strict=False)
@@ -75,6 +85,13 @@ class CompressionSession:
         for module in self.model.modules():
             if hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention"):
                 self._hooks.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        if self.method.needs_logits:
+            _check_plain_logit_head(self.model)
+            self._hooks += [
+                self.model.register_forward_pre_hook(self._capture_input_ids, with_kwargs=True),
+                self.model.get_decoder().register_forward_hook(self._capture_hidden),
+                self.model.register_forward_hook(self._observe_logits, with_kwargs=True),
+            ]
         self._token = ACTIVE_SESSION.set(self)
         return self
 
@@ -88,6 +105,29 @@ class CompressionSession:
     def _pre_hook(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
         self._layers[module.layer_idx] = None if cache is None else ensure_kv_layer(cache, module.layer_idx)
+
+    # ---- the model's predictions, for methods that need them (needs_logits) ----------------------------------------
+    def _capture_input_ids(self, module, args, kwargs):
+        self._input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self._hidden = None
+
+    def _capture_hidden(self, module, args, output):
+        self._hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def _observe_logits(self, module, args, kwargs, output):
+        prefill, self._prefill_forward = self._prefill_forward, False
+        layers = [self._layers.get(i) for i in range(self.num_layers)]
+        if any(layer is None for layer in layers) or self._hidden is None:
+            return  # use_cache=False: no cache to act on
+        if self._input_ids is None:
+            raise NotAvailableError(f"method {self.method.name!r} scores the input tokens: call the model with "
+                                    "input_ids (inputs_embeds were given)")
+        logits = TokenLogits(self._hidden, self.model.get_output_embeddings(), None if prefill else self._previous)
+        if not self.budget.is_full:
+            self.method.observe_logits(layers, self._input_ids, logits)
+        self._previous = logits.last()
+        if prefill:  # the method may have compressed the prompt only now: measure what stays
+            self._record_prefill_stats(layers)
 
     # ---- the attention call ------------------------------------------------------------------------------------
     def attend(self, impl, module, query, key, value, attention_mask, **kwargs):
@@ -110,6 +150,7 @@ class CompressionSession:
     def _prefill(self, backend, module, layer, query, key, value, attention_mask, scaling, kwargs):
         b, n = query.shape[0], query.shape[2]
         if module.layer_idx == 0:  # padding, prompt lengths and budgets are the same for every layer of a forward
+            self._prefill_forward = True
             key_valid = _key_valid(attention_mask, n)
             prompt_lens = key_valid.sum(-1) if key_valid is not None else torch.full((b,), n, device=query.device)
             capacity = torch.tensor([self.budget.tokens_for(int(x)) for x in prompt_lens], device=query.device)
@@ -140,6 +181,12 @@ class CompressionSession:
             self.method.finish_prefill(layers, ctx)
         for layer in layers:
             self._rerotate(layer)
+        self._record_prefill_stats(layers)
+
+    def _record_prefill_stats(self, layers: list[KVLayer]) -> None:
+        self.stats.layer_entries_after_prefill = []
+        self.stats.resident_kv_bytes_after_prefill = 0
+        for layer in layers:
             # mean over KV heads of row 0 (heads can keep different numbers: KVMerger's ragged sets)
             counts = layer.valid_counts()[0]
             mean = float(counts.float().mean())
@@ -218,6 +265,55 @@ class CompressionSession:
         if bool((delta != 0).any()):
             layer.keys = rotate_keys(layer.keys, delta, self._inv_freq.to(layer.keys.device))
         layer.rope_pos = target
+
+
+class TokenLogits:
+    """The model's log-probabilities of chosen tokens at each position of one forward, for ``observe_logits``.
+
+    hidden: ``(B, q, H)`` final hidden states of the forward; head: the model's output embedding (logits =
+    ``head(hidden)``); previous: ``(B, V)`` log-softmax of the previous forward's last position, None after a prompt.
+    The head is applied ``chunk`` positions at a time, so nothing ``(B, q, V)`` is held at once for long prompts
+    (a forward of at most ``chunk`` tokens, a decode step, is computed once and reused).
+    """
+
+    def __init__(self, hidden: torch.Tensor, head, previous: torch.Tensor | None, chunk: int = 256):
+        self.hidden, self.head, self.previous, self.chunk = hidden, head, previous, chunk
+        self._short: torch.Tensor | None = None
+
+    def _log_softmax(self, start: int) -> torch.Tensor:
+        if self.hidden.shape[1] <= self.chunk and self._short is not None:
+            return self._short
+        out = torch.log_softmax(self.head(self.hidden[:, start : start + self.chunk]).float(), dim=-1)
+        if self.hidden.shape[1] <= self.chunk:
+            self._short = out
+        return out
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """``log softmax(logits[:, i])[ids[:, i]]`` for the first q' <= q positions: ``ids`` ``(B, q')`` -> ``(B, q')``
+        float32 (a shifted ``ids`` scores each position's next token)."""
+        out = []
+        for start in range(0, self.hidden.shape[1], self.chunk):
+            logp = self._log_softmax(start)
+            out.append(torch.gather(logp, -1, ids[:, start : start + self.chunk].unsqueeze(-1)).squeeze(-1))
+        return torch.cat(out, dim=1)
+
+    def last(self) -> torch.Tensor:
+        """Log-softmax at the forward's last position ``(B, V)`` (the prediction of the next input token)."""
+        if self.hidden.shape[1] <= self.chunk:
+            return self._log_softmax(0)[:, -1]
+        return torch.log_softmax(self.head(self.hidden[:, -1]).float(), dim=-1)
+
+
+def _check_plain_logit_head(model) -> None:
+    """``TokenLogits`` computes logits as ``head(hidden)``: refuse models that post-process them."""
+    cfg = model.config
+    for attr, neutral in (("final_logit_softcapping", None), ("logit_scale", 1.0), ("logits_scaling", 1.0)):
+        value = getattr(cfg, attr, None)
+        if value is not None and value != neutral:
+            raise NotAvailableError(
+                f"this model post-processes its logits ({attr}={value}); methods that score tokens by the model's "
+                "predictions (needs_logits) support plain output heads only"
+            )
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

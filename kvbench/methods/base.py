@@ -14,7 +14,10 @@ three points, one layer at a time (plus one call across layers after prefill) an
 * ``attend(layer, ctx)`` before ``select``, for methods that define their own decode attention (POD's shared
   distant scores, Quest/InfLLM's block retrieval): returns the layer's attention output ``(B, q, Hq, D)`` or None
   for the engine's attention. When it returns a tensor, ``select`` and the engine's attention are skipped and
-  ``decode`` follows with ``ctx.probs`` as the method left it (None unless it set them).
+  ``decode`` follows with ``ctx.probs`` as the method left it (None unless it set them);
+* ``observe_logits(layers, input_ids, logits)`` after every forward of the model (the prompt, then each decode step),
+  before the next one, only for methods that set ``needs_logits`` (SirLLM scores tokens by their surprisal under the
+  model): ``logits`` gives the model's log-probabilities of chosen tokens (``engine.session.TokenLogits``).
 
 Methods change the cache only through ``KVLayer.gather`` / ``KVLayer.evict_one`` (real eviction) or by assigning
 new tensors (merging), so resident memory is what the method keeps.
@@ -32,6 +35,7 @@ from kvbench.errors import ConfigError
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
+    from kvbench.engine.session import TokenLogits
 
 
 @dataclass
@@ -98,6 +102,8 @@ class Method:
     #: the method only makes sense on a CUDA device (Brutal Offload's host<->GPU transfers); ``plan_job`` refuses
     #: before the model loads when the model would run elsewhere
     requires_cuda: ClassVar[bool] = False
+    #: a method that scores tokens by the model's predictions sets this: the session then calls ``observe_logits``
+    needs_logits: ClassVar[bool] = False
 
     def validate(self, budget: Budget) -> None:
         """Reject a budget or hyperparameters before any model loads (raise ConfigError naming the value)."""
@@ -137,6 +143,16 @@ class Method:
         """The layer's decode attention output ``(B, q, Hq, D)`` computed by the method itself, or None (default)
         for the engine's attention. Called after the step's key/value were appended to ``layer``."""
         return None
+
+    def observe_logits(self, layers: list[KVLayer], input_ids: torch.Tensor, logits: TokenLogits) -> None:
+        """After every forward (prompt or decode step) when ``needs_logits`` is set; default: nothing.
+
+        ``layers``: every layer's cache, the forward's tokens already appended; ``input_ids`` ``(B, q)``: the
+        forward's tokens; ``logits.gather(ids)`` ``(B, q)``: log-probability of ``ids[:, i]`` under the prediction
+        made at position i; ``logits.previous`` ``(B, V)``: the previous forward's last prediction (the one that
+        scored ``input_ids[:, 0]``), None after a prompt. The method may evict here (``keep_top``); the session
+        measures the prompt's resident bytes after this call.
+        """
 
     def budget_label(self, budget: Budget) -> str | None:
         """How results of this method are filed and keyed; None: the budget's own label. A method whose memory is

@@ -1,0 +1,178 @@
+"""CaM: cache merging, the value of the token leaving the window is spread over the next ones with a Bernoulli mask.
+
+Zhang et al., "CaM: Cache Merging for Memory-efficient LLMs Inference" (ICML 2024), code zyxxmu/cam
+(``cam_hf/utils_lm_eval/modify_llama_cam.py``; ``cam_hf/utils_hh`` for generation). reference/methods.md B6; used by
+D2O (paper 000) and KVMerger (paper 003). ``variant="prefill_only"``: KVCache-Factory's ``CAMKVCluster``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.engine.scores import aggregate_group, column_sums, window_attention
+from kvbench.errors import ConfigError
+from kvbench.methods.base import (
+    DecodeContext,
+    Method,
+    PrefillContext,
+    check_choice,
+    check_positive,
+    keep_top,
+    real_rank,
+)
+from kvbench.methods.cam_ops import leaving_probabilities, masked_output, merge_values
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+
+VARIANTS = ("paper", "prefill_only")
+
+
+@dataclass
+class CaM(Method):
+    """Start tokens + a recent window, and every token that leaves the window is merged into the values after it.
+
+    ``paper`` (default; decode-time): the budget C splits into ``s = ⌈start_share·C⌉`` start tokens and
+    ``r = C - s`` recent ones (CaM's scripts set start_ratio = recent_ratio, so 1:1). Prefill is the loop of CaM's
+    lm-eval code (B6): every prompt query attends to the first s tokens and its r previous ones (Λ mask), and for each
+    ``t`` in ``[s + r, n)`` the token ``x = t - r`` leaves the window with probability
+
+        p_x = clamp(S_x(t) / max_{j ∈ [0, s) ∪ [t-r, t)} S_j(t), 0, 1),     S_j(t) = Σ_{i<t} A[i, j]
+
+    (A: the masked attention averaged over the GQA group; CaM divides both by t). A Bernoulli draw m_x ~ B(p_x)
+    decides ``v[x+1 .. x+r] += m_x v[x] / r`` in token order; keys are never merged. As in that code the prompt's
+    attention output uses the merged values. Then only the first s and the last r tokens stay (real eviction).
+    Decoding continues the same loop: after step t's attention the oldest recent token x = t - r leaves, merged
+    with the same formula (S from the queries before t, then step t's row is added) and evicted, so the cache stays
+    at C. Deviations from ``cam_hf/utils_hh`` (generation): that code runs full prefill attention and drops the
+    prompt's middle unmerged at the first step, merges with the current query's row only, one token early, over a
+    fixed span of 32 — kvbench continues B6's loop instead (docs/method_ambiguities.md).
+
+    ``prefill_only``: KVCache-Factory's CAM (DynamicKV/D2O tables): if n >= C, SnapKV-style scores W_j = Σ of the
+    last ``window`` queries' attention (no pooling); the same loop with ``s = ⌈start_budget_ratio·n⌉`` and span
+    ``window`` over W (``p_x = W_x / max W over [0, s) ∪ [t-w, t)``), then keep the top C - w by W plus the window.
+    The prompt's output uses the merged values (KVCache-Factory merges in place before its attention). No decode
+    merging.
+
+    Bernoulli draws are ``m = [u < p]`` with ``u`` uniform from a per-layer ``torch.Generator`` seeded with
+    ``seed + 1_000_003·layer`` at every prefill, drawn ``(steps, B, Hkv)`` in token order (prefill) and ``(1, B,
+    Hkv)`` per decode step, so runs are reproducible. Batch size 1 (CaM's code indexes row 0).
+    """
+
+    name: ClassVar[str] = "cam"
+    needs_decode_probs: ClassVar[bool] = True
+    supports_batching: ClassVar[bool] = False
+    start_share: float = 0.5
+    variant: str = "paper"
+    window: int = 32
+    start_budget_ratio: float = 0.1
+    seed: int = 0
+    chunk: int = 512
+
+    def __post_init__(self) -> None:
+        check_positive(self.name, window=self.window, chunk=self.chunk)
+        check_choice(self.name, "variant", self.variant, VARIANTS)
+        for key in ("start_share", "start_budget_ratio"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"method 'cam': {key}={getattr(self, key)} must be in [0, 1)")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"method 'cam': seed={self.seed!r} must be an integer >= 0")
+        self.needs_decode_probs = self.variant == "paper"
+        self._rng: dict[int, torch.Generator] = {}
+
+    def min_budget_tokens(self) -> int:
+        return self.window + 1 if self.variant == "prefill_only" else 2
+
+    def min_budget_reason(self) -> str:
+        if self.variant == "prefill_only":
+            return f"the window of {self.window} recent tokens is part of the budget"
+        return "at least one start and one recent token"
+
+    def split(self, capacity: int) -> tuple[int, int]:
+        """(start tokens s, recent tokens r) of a budget: s = ⌈start_share·C⌉, r = C - s (at least 1)."""
+        s = min(math.ceil(self.start_share * capacity), capacity - 1)
+        return s, capacity - s
+
+    def _draws(self, layer_idx: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return torch.rand(shape, generator=self._rng[layer_idx], device=device)
+
+    # ---- prefill ---------------------------------------------------------------------------------------------------
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        dev = ctx.queries.device
+        self._rng[ctx.layer_idx] = torch.Generator(device=dev).manual_seed(self.seed + 1_000_003 * ctx.layer_idx)
+        b, hq, n, d = ctx.queries.shape
+        hkv = ctx.num_kv_heads
+        qg = ctx.queries.view(b, hkv, hq // hkv, n, d)
+        cap = int(ctx.capacity[0])
+        if self.variant == "paper":
+            s, r = self.split(cap)
+            if n <= s + r:
+                return None  # every query sees every token: plain causal attention, nothing leaves
+            p, colsum = leaving_probabilities(qg, layer.keys, s, r, ctx.scaling, self.chunk)
+            first, span = s, r
+            layer.state["cam_acc"] = colsum
+        else:
+            if n < cap:
+                return None
+            w = self.window
+            votes = window_attention(ctx.queries, layer.keys, w, ctx.scaling).sum(2)  # (B, Hq, n)
+            votes = aggregate_group(votes, hkv, "mean")
+            s = math.ceil(self.start_budget_ratio * n)
+            x = torch.arange(s, max(s, n - w), device=dev)
+            start_max = votes[..., :s].amax(-1, keepdim=True) if s else torch.zeros_like(votes[..., :1])
+            window_max = votes.unfold(-1, w, 1)[..., x, :].amax(-1)  # max over [x, x + w) = [t - w, t)
+            p = votes[..., x] / torch.maximum(window_max, start_max)
+            p = torch.nan_to_num(p, nan=0.0, posinf=1.0).clamp(0.0, 1.0)
+            first, span = s, w
+            layer.state["cam_scores"] = torch.cat([votes[..., : n - w], torch.full_like(votes[..., n - w :],
+                                                                                         float("inf"))], -1)
+        merge = self._draws(ctx.layer_idx, (p.shape[-1], b, hkv), dev).permute(1, 2, 0) < p
+        merged = layer.values.clone()
+        merge_values(merged, merge, first, span)
+        layer.values = merged
+        if self.variant == "paper":
+            return masked_output(qg, layer.keys, merged, s, r, ctx.scaling, self.chunk).to(merged.dtype)
+        g = hq // hkv  # causal attention over the merged values (batch 1: no padding)
+        out = F.scaled_dot_product_attention(ctx.queries, layer.keys.repeat_interleave(g, 1),
+                                             merged.repeat_interleave(g, 1), is_causal=True, scale=ctx.scaling)
+        return out.transpose(1, 2).contiguous()
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        if self.variant == "prefill_only":
+            if "cam_scores" in layer.state:
+                keep_top(layer, layer.state.pop("cam_scores"), ctx.capacity)
+            return
+        if "cam_acc" not in layer.state:  # the prompt fits: accumulated attention of plain causal attention
+            sums = column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=self.chunk)
+            layer.state["cam_acc"] = aggregate_group(sums, ctx.num_kv_heads, "mean")
+            return
+        s, r = self.split(int(ctx.capacity[0]))
+        rank = real_rank(layer)
+        keep = (rank < s) | (rank >= layer.valid_counts().unsqueeze(-1) - r)
+        keep_top(layer, torch.where(keep, float("inf"), float("-inf")), ctx.capacity)
+
+    # ---- decode ----------------------------------------------------------------------------------------------------
+    def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
+        if self.variant != "paper" or ctx.probs is None:
+            return
+        cap = int(ctx.capacity[0])
+        s, r = self.split(cap)
+        if ctx.layer_idx not in self._rng:
+            self._rng[ctx.layer_idx] = torch.Generator(device=ctx.query.device).manual_seed(
+                self.seed + 1_000_003 * ctx.layer_idx)
+        layer.state["cam_step"] = ctx.probs.mean(2).sum(2)  # this step's rows, added after the merge
+        b, hkv = layer.values.shape[:2]
+        while layer.num_entries > cap:
+            acc = layer.state["cam_acc"]  # S_j(t): queries before this step
+            p = acc[..., s] / acc.amax(-1)  # the newest entries have S = 0: the max is over start ∪ [t - r, t)
+            p = torch.nan_to_num(p, nan=0.0, posinf=1.0).clamp(0.0, 1.0)
+            m = (self._draws(ctx.layer_idx, (1, b, hkv), ctx.query.device)[0] < p).to(layer.values.dtype)
+            values = layer.values
+            values[:, :, s + 1 : s + 1 + r] += (values[:, :, s] * m.unsqueeze(-1) / r).unsqueeze(2)
+            layer.evict_one(torch.full((b, hkv), s, dtype=torch.long, device=values.device))
+        layer.state["cam_acc"] = layer.state["cam_acc"] + layer.state.pop("cam_step")

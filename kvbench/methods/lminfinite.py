@@ -1,0 +1,162 @@
+"""LM-Infinite: Λ-shaped attention (start tokens + a local window) with a distance ceiling.
+
+Han et al., "LM-Infinite: Zero-Shot Extreme Length Generalization for Large Language Models" (NAACL 2024,
+arXiv:2308.16137), code Glaciohound/LM-Infinite (``models/llama.py``, ``models/lambda_attention.py``).
+reference/methods.md B11; POD (paper 004) compares against it at 16 + 4080.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvbench.errors import NotAvailableError
+from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_positive, keep_top, real_rank
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+
+
+def lambda_attention(q, q_pos, glob, local, window, inv_freq, scaling):
+    """One block of Λ-shaped attention with the distance ceiling, GQA-native.
+
+    q ``(B, Hkv, g, c, D)`` post-RoPE at positions ``q_pos`` ``(B, c)``; ``glob`` and ``local`` are key sets
+    ``(keys, values, positions, ok)`` of shapes ``(B, Hkv, T, D)`` x2, ``(B, Hkv, T)`` x2, keys post-RoPE at their
+    positions; ``window`` ``(B,)`` = n_local. A local key at distance ``0 <= i - j < n_local`` is attended with its
+    true rotation (``q_i · k_j``, both post-RoPE); a global key further away is attended at distance exactly
+    ``n_local``: the query is re-rotated to position ``n_local`` and the key to position 0 (the official
+    ``limit_distance = local_branch``). Every other pair is masked. Returns the output ``(B, Hkv, g, c, D)``.
+    """
+    from kvbench.engine.session import rotate_keys
+
+    b, hkv, g, c, d = q.shape
+    lim = window.view(b, 1, 1, 1)
+
+    def dist(pos):  # (B, Hkv, c, T)
+        return q_pos.view(b, 1, c, 1) - pos.unsqueeze(2)
+
+    gk, gv, gpos, gok = glob
+    lk, lv, lpos, lok = local
+    q_delta = (window.view(b, 1, 1) - q_pos.view(b, 1, c)).expand(b, hkv * g, c).float()
+    q_stat = rotate_keys(q.reshape(b, hkv * g, c, d), q_delta, inv_freq).view(b, hkv, g, c, d)
+    stat = torch.einsum("bhgqd,bhkd->bhgqk", q_stat, rotate_keys(gk, -gpos.float(), inv_freq)).float()
+    stat = stat.masked_fill(~(gok.unsqueeze(2) & (dist(gpos) >= lim)).unsqueeze(2), float("-inf"))
+    rot = torch.einsum("bhgqd,bhkd->bhgqk", q, lk).float()
+    dl = dist(lpos)
+    rot = rot.masked_fill(~(lok.unsqueeze(2) & (dl >= 0) & (dl < lim)).unsqueeze(2), float("-inf"))
+    probs = torch.softmax(torch.cat([stat, rot], dim=-1) * scaling, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0).to(lv.dtype)  # padded queries see no key at all
+    n_glob = gk.shape[2]
+    return (torch.einsum("bhgqk,bhkd->bhgqd", probs[..., :n_glob], gv)
+            + torch.einsum("bhgqk,bhkd->bhgqd", probs[..., n_glob:], lv))
+
+
+@dataclass
+class LMInfinite(Method):
+    """Λ-shaped attention in prefill and decode, and a cache that keeps only what the Λ mask can still reach.
+
+    Each query attends to the ``n_global`` first tokens of its sequence and to the ``n_local`` most recent tokens
+    including itself (the official ``local_branch``: distances ``0 .. n_local - 1``), nothing in between. Inside the
+    window keys keep their RoPE distance; a global token further away is seen at distance ``n_local`` (the official
+    ``limit_distance = local_branch``: "relative distances larger than n_local are clamped", methods.md B11). Keys in
+    the cache are post-RoPE at their original positions, so the ceiling re-rotates the query to position
+    ``n_local`` and the global key to position 0 (``engine.session.rotate_keys``; needs ``ctx.rope_inv_freq``).
+
+    Budget: the cache holds ``budget = n_global + n_local - 1`` entries per layer between steps (the ``n_global``
+    first tokens and the ``n_local - 1`` newest); a step's query attends to them and to itself, ``n_global +
+    n_local`` keys. Middle tokens are evicted for real: they are never attended again. ``n_global = 10`` is the
+    official README's drop-in ``convert_llama_model(model, 4096, 10)`` (its scripts use 100 and call 10–100 alike;
+    POD uses 16). Prompt attention is computed in query chunks of ``chunk`` rows (keys: the globals and the rows'
+    window), never as an n x n matrix.
+    """
+
+    name: ClassVar[str] = "lminfinite"
+    n_global: int = 10
+    chunk: int = 512
+
+    def __post_init__(self) -> None:
+        check_positive(self.name, n_global=self.n_global, chunk=self.chunk)
+
+    def min_budget_tokens(self) -> int:
+        return self.n_global + 1
+
+    def min_budget_reason(self) -> str:
+        return f"n_global={self.n_global} start tokens + at least one local token before the query"
+
+    def _window(self, capacity: torch.Tensor) -> torch.Tensor:
+        """n_local per row: the cache's ``capacity`` minus the globals, plus the query itself (at least 1)."""
+        return (capacity - self.n_global + 1).clamp(min=1)
+
+    def _inv_freq(self, ctx) -> torch.Tensor:
+        if ctx.rope_inv_freq is None:
+            raise NotAvailableError(
+                "lminfinite needs a rotary (RoPE) model whose keys can be re-rotated (rope_type default, linear or "
+                "llama3): this model exposes no such rotary embedding, so the distance ceiling cannot be applied"
+            )
+        return ctx.rope_inv_freq
+
+    @staticmethod
+    def _check_positions(layer: KVLayer) -> None:
+        if layer.rope_pos is not None:
+            raise NotAvailableError(
+                "lminfinite sets its own relative positions (the distance ceiling); use position_mode=original"
+            )
+
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        inv_freq = self._inv_freq(ctx).to(ctx.queries.device)
+        self._check_positions(layer)
+        window = self._window(ctx.capacity)
+        if bool((ctx.prompt_lens <= window).all()):
+            return None  # every distance is inside the window: plain causal attention, the backend's exact path
+        b, hq, n, d = ctx.queries.shape
+        hkv = ctx.num_kv_heads
+        pos = layer.positions[:, 0]  # (B, n) the positions keys and queries were rotated at
+        pad = (n - ctx.prompt_lens).view(b, 1)
+        valid = ctx.key_valid if ctx.key_valid is not None else torch.ones(b, n, dtype=torch.bool, device=pos.device)
+        g_idx = (pad + torch.arange(self.n_global, device=pos.device)).clamp(max=n - 1)  # first real tokens (B, G)
+        g_ok = torch.gather(valid, 1, g_idx) & (pad + torch.arange(self.n_global, device=pos.device) < n)
+        qg = ctx.queries.view(b, hkv, hq // hkv, n, d)
+        idx4 = g_idx.view(b, 1, -1, 1).expand(b, hkv, -1, d)
+        expand = (b, hkv, self.n_global)
+        glob = (torch.gather(layer.keys, 2, idx4), torch.gather(layer.values, 2, idx4),
+                torch.gather(pos, 1, g_idx).unsqueeze(1).expand(expand), g_ok.unsqueeze(1).expand(expand))
+        span = int(window.max()) - 1
+        rows = max(64, min(self.chunk, span + 1))  # about one window of queries: few masked keys per row
+        outs = []
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            lo = max(0, start - span)
+            local = (layer.keys[:, :, lo:stop], layer.values[:, :, lo:stop], layer.positions[:, :, lo:stop],
+                     valid[:, lo:stop].unsqueeze(1).expand(b, hkv, stop - lo))
+            outs.append(lambda_attention(qg[:, :, :, start:stop], pos[:, start:stop], glob, local, window, inv_freq,
+                                         ctx.scaling))
+        out = torch.cat(outs, dim=3).reshape(b, hq, n, d)
+        return out.transpose(1, 2).contiguous().to(layer.values.dtype)
+
+    def _keep_scores(self, layer: KVLayer, window: torch.Tensor) -> torch.Tensor:
+        """+inf for the globals and the entries the next query's window reaches, -inf for the rest."""
+        rank = real_rank(layer)
+        latest = layer.positions.amax(-1, keepdim=True)
+        reach = layer.positions >= latest + 2 - window.view(-1, 1, 1)
+        keep = (rank >= 0) & ((rank < self.n_global) | reach)
+        return torch.where(keep, float("inf"), float("-inf"))
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        keep_top(layer, self._keep_scores(layer, self._window(ctx.capacity)), ctx.capacity)
+
+    def attend(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
+        inv_freq = self._inv_freq(ctx).to(ctx.query.device)
+        self._check_positions(layer)
+        b, hq, q, d = ctx.query.shape
+        hkv = layer.keys.shape[1]
+        rank = real_rank(layer)
+        entries = (layer.keys, layer.values, layer.positions)
+        glob = (*entries, (rank >= 0) & (rank < self.n_global))  # every entry: only the globals pass beyond the window
+        out = lambda_attention(ctx.query.view(b, hkv, hq // hkv, q, d), layer.positions[:, 0, -q:], glob,
+                               (*entries, rank >= 0), self._window(ctx.capacity), inv_freq, ctx.scaling or d**-0.5)
+        return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
+
+    def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
+        keep_top(layer, self._keep_scores(layer, self._window(ctx.capacity)), ctx.capacity)

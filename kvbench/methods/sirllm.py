@@ -1,0 +1,126 @@
+"""SirLLM: start tokens + a recent window + key tokens of high token entropy, with a memory decay.
+
+Yao, Li & Zhao, "SirLLM: Streaming Infinite Retentive LLM" (ACL 2024, arXiv:2405.12528), code Zoeyyao27/SirLLM
+(``sir_llm/kv_cache.py`` ``evict_for_space_token_entropy``, ``sir_llm/eval_utils.py`` ``_cal_selfinfo``).
+reference/methods.md B14; D2O (paper 000) Table 18.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvbench.errors import ConfigError
+from kvbench.methods.base import Method, check_choice, keep_top, real_rank
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+    from kvbench.engine.session import TokenLogits
+
+ENTROPIES = ("paper", "official_code")
+
+
+@dataclass
+class SirLLM(Method):
+    """Keep, per layer (the same tokens in every layer and head), the first ``start_size`` tokens, the
+    ``E = C - start_size - R`` tokens with the highest token entropy, and the most recent tokens up to the budget C,
+    with ``R = round(recent_ratio·(C - start_size))``. Token entropy is the token's surprisal under the model,
+    ``H(x_i) = -log p(x_i | x_<i)``; after every round's eviction all kept entropies are multiplied by
+    ``decay_ratio`` (older memories fade).
+
+    Rounds in kvbench: SirLLM evicts before each dialogue round (a user turn and its answer, scored in one forward)
+    and decays. kvbench has one turn: the prompt's forward is round 1 and every decode step is a round of one token.
+    After each forward (``observe_logits``, before the next one) the new tokens get their entropies, the cache is cut
+    back to C (start ∪ top-E entropy over all entries, official ``_top_n_indices``: ties to the older token ∪ the
+    newest, official fill loop) and every kept entropy is multiplied by ``decay_ratio``. So the cache holds C entries
+    between forwards (official: C − incoming before a round, C during it), and the top-E is taken after the round's
+    tokens arrived (official: E − incoming before). The first token of a round that no earlier prediction scored (the
+    prompt's first real token) gets the round's maximum, as the official code does.
+
+    Defaults: ``start_size=4`` and ``decay_ratio=1.0`` (the official CLI; its README uses 0.7 for DailyDialog and 0.9
+    for Rock-Paper-Scissors), ``recent_ratio=0.5`` (the official runs set recent_size=0 because a round's own tokens
+    always stay; kvbench's decode rounds need a window: ``recent_ratio=0`` gives the official split). SirLLM also
+    re-positions tokens inside the cache (StreamingLLM's pos-shift): ``position_mode=compact``.
+
+    ``entropy="official_code"``: the official ``_cal_selfinfo`` gathers ``-log p`` of each token under the
+    prediction made *at its own position* (the next-token distribution), then shifts by one (first = round max):
+    ``H(x_i) = -log p_{i-1}(x_{i-1})``. ``paper`` (default) is the definition above.
+    """
+
+    name: ClassVar[str] = "sirllm"
+    needs_logits: ClassVar[bool] = True
+    start_size: int = 4
+    recent_ratio: float = 0.5
+    decay_ratio: float = 1.0
+    entropy: str = "paper"
+
+    def __post_init__(self) -> None:
+        check_choice(self.name, "entropy", self.entropy, ENTROPIES)
+        if self.start_size < 0:
+            raise ConfigError(f"method 'sirllm': start_size={self.start_size} must be >= 0")
+        if not 0 <= self.recent_ratio <= 1:
+            raise ConfigError(f"method 'sirllm': recent_ratio={self.recent_ratio} must be in [0, 1]")
+        if not 0 < self.decay_ratio <= 1:
+            raise ConfigError(f"method 'sirllm': decay_ratio={self.decay_ratio} must be in (0, 1]")
+
+    def min_budget_tokens(self) -> int:
+        return self.start_size + 1
+
+    def min_budget_reason(self) -> str:
+        return f"start_size={self.start_size} start tokens + at least one more"
+
+    def split(self, capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(recent R, key tokens E) per row for budgets ``capacity`` ``(B,)``."""
+        rest = (capacity - self.start_size).clamp(min=0)
+        recent = torch.round(rest * self.recent_ratio).long()
+        return recent, rest - recent
+
+    def token_entropy(self, input_ids: torch.Tensor, logits: TokenLogits, valid: torch.Tensor) -> torch.Tensor:
+        """Entropies ``(B, q)`` of the forward's tokens; ``valid`` ``(B, q)`` False at left padding (entropy 0)."""
+        nan = torch.full_like(input_ids[:, :1], float("nan"), dtype=torch.float32)
+        scored = torch.cat([torch.zeros_like(valid[:, :1]), valid[:, :-1]], dim=1)  # the previous token is real
+        if self.entropy == "paper":  # position i - 1 predicts x_i
+            ent = nan.expand_as(input_ids).clone()
+            if input_ids.shape[1] > 1:
+                ent[:, 1:] = -logits.gather(input_ids[:, 1:].contiguous())[:, : input_ids.shape[1] - 1]
+            if logits.previous is not None:  # a decode step: the previous forward predicted this token
+                ent[:, 0] = -torch.gather(logits.previous, -1, input_ids[:, :1]).squeeze(-1)
+                scored[:, 0] = True
+            pool = ent.masked_fill(~(scored & valid), float("-inf"))
+        else:  # official _cal_selfinfo: -log p_i(x_i) at the token's own position, shifted by one
+            same = -logits.gather(input_ids)
+            ent = torch.cat([nan, same[:, :-1]], dim=1)
+            pool = same.masked_fill(~valid, float("-inf"))
+        round_max = pool.amax(1, keepdim=True)  # the official value of a round's first token
+        ent = torch.where(scored, ent, round_max)
+        return ent.masked_fill(~valid, 0.0)
+
+    def keep_scores(self, layer: KVLayer, capacity: torch.Tensor) -> torch.Tensor:
+        """+inf for start tokens and the top-E entropies, the recency rank for the others (the newest fill the rest),
+        -inf for invalid entries: ``keep_top(layer, scores, capacity)`` then keeps exactly SirLLM's set."""
+        rank = real_rank(layer)
+        _, top_e = self.split(capacity)
+        ent = layer.state["sirllm_entropy"].masked_fill(rank < 0, float("-inf"))
+        order = torch.sort(ent, dim=-1, descending=True, stable=True).indices  # ties: the older token first
+        slots = torch.arange(ent.shape[-1], device=ent.device).expand_as(order) < top_e.view(-1, 1, 1)
+        top = torch.zeros_like(slots).scatter_(-1, order, slots)
+        keep = (rank >= 0) & ((rank < self.start_size) | top)
+        return torch.where(keep, float("inf"), rank.float()).masked_fill(rank < 0, float("-inf"))
+
+    def observe_logits(self, layers: list[KVLayer], input_ids: torch.Tensor, logits: TokenLogits) -> None:
+        q = input_ids.shape[1]
+        first = layers[0]
+        valid = first.valid[:, 0, -q:] if first.valid is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        ent = self.token_entropy(input_ids, logits, valid)
+        for layer in layers:
+            b, h, t = layer.positions.shape
+            state = layer.state.get("sirllm_entropy")
+            if state is None or state.shape[-1] != t:
+                state = torch.zeros(b, h, t, device=ent.device)
+            state = state.clone()
+            state[..., t - q :] = ent.unsqueeze(1)
+            layer.state["sirllm_entropy"] = state
+            keep_top(layer, self.keep_scores(layer, layer.capacity), layer.capacity)
+            layer.state["sirllm_entropy"] = layer.state["sirllm_entropy"] * self.decay_ratio

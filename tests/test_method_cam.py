@@ -1,0 +1,204 @@
+"""CaM against slow references of CaM's lm-eval loop (paper variant, continued at decode) and of KVCache-Factory's
+CAMKVCluster (prefill_only), with the Bernoulli draws re-derived from the method's seed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import kept_positions, make_layer, prefill_ctx
+from kvbench.budget import Budget
+from kvbench.engine.attention import grouped_attention
+from kvbench.errors import ConfigError
+from kvbench.methods import build_method
+from kvbench.methods.base import DecodeContext
+from kvbench.methods.cam import CaM
+
+D, HQ, HKV = 8, 4, 2
+G = HQ // HKV
+
+
+def _qkv(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, HQ, n, D, generator=g), torch.randn(1, HKV, n, D, generator=g),
+            torch.randn(1, HKV, n, D, generator=g))
+
+
+def probs_row(q, k, i, keys):
+    logits = torch.tensor([float(q[i] @ k[j]) / math.sqrt(D) for j in keys], dtype=torch.float64)
+    return dict(zip(keys, torch.softmax(logits, 0).tolist()))
+
+
+def lambda_attention(q, k, s, r):
+    """A[h][i] = {j: prob} under CaM's mask (j < s or i - r <= j <= i), per query head, float64."""
+    n = q.shape[1]
+    return [[probs_row(q[h], k[h // G], i, [j for j in range(i + 1) if j < s or j >= i - r]) for i in range(n)]
+            for h in range(q.shape[0])]
+
+
+def draws(seed, layer_idx, shape):
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed + 1_000_003 * layer_idx))
+
+
+def test_paper_prefill_merges_evicts_and_outputs_like_the_loop():
+    n, cap, seed = 40, 12, 5
+    s, r = 6, 6  # start_share 0.5
+    q, k, v = _qkv(n)
+    layer = make_layer(k, v)
+    ctx = prefill_ctx(q, layer, cap)
+    method = CaM(seed=seed, chunk=9)
+    out = method.prefill_attend(layer, ctx)
+    method.prefill(layer, ctx)
+
+    qd, kd, vd = q[0].double(), k[0].double(), v[0].double().clone()
+    A = lambda_attention(qd, kd, s, r)
+    u = draws(seed, 0, (n - s - r, 1, HKV))
+    margins, merged = [], 0
+    for kv in range(HKV):
+        mean = [{j: sum(A[kv * G + x][i].get(j, 0.0) for x in range(G)) / G for j in range(n)} for i in range(n)]
+        for t in range(s + r, n):  # CaM's loop: the token x = t - r leaves; S_j(t) sums the rows before t
+            S = {j: sum(mean[i][j] for i in range(t)) for j in range(t)}
+            x = t - r
+            p = min(max(S[x] / max(S[j] for j in list(range(s)) + list(range(t - r, t))), 0.0), 1.0)
+            margins.append(abs(float(u[t - s - r, 0, kv]) - p))
+            if float(u[t - s - r, 0, kv]) < p:
+                vd[kv, x + 1 : x + 1 + r] += vd[kv, x] / r
+                merged += 1
+    assert min(margins) > 1e-4  # no draw sits on its probability: float32 vs float64 cannot flip a merge
+    assert 0 < merged < len(margins)
+    for h in range(HQ):
+        for i in range(n):
+            ref = sum(p * vd[h // G, j] for j, p in A[h][i].items())
+            assert torch.allclose(out[0, i, h].double(), ref, atol=1e-5), (h, i)
+    kept = list(range(s)) + list(range(n - r, n))
+    assert kept_positions(layer) == [kept] * HKV
+    assert torch.allclose(layer.values[0].double(), vd[:, kept], atol=1e-5)
+    assert torch.equal(layer.keys[0], k[0, :, kept])  # keys are never merged
+
+
+def test_paper_decode_continues_the_loop_and_keeps_the_budget():
+    n, cap, seed, steps = 30, 10, 2, 8
+    s, r = 5, 5
+    q, k, v = _qkv(n + steps, seed=1)
+    layer = make_layer(k[:, :, :n], v[:, :, :n])
+    ctx = prefill_ctx(q[:, :, :n], layer, cap)
+    method = CaM(seed=seed)
+    method.prefill_attend(layer, ctx)
+    method.prefill(layer, ctx)
+    prefill_draws = n - s - r
+    # reference state after prefill, taken from the (separately tested) prefill: kept values, S of the kept tokens
+    kept = list(range(s)) + list(range(n - r, n))
+    qd, kd = q[0].double(), k[0].double()
+    A = lambda_attention(qd[:, :n], kd[:, :n], s, r)
+    S = [{j: sum(sum(A[kv * G + x][i].get(j, 0.0) for x in range(G)) / G for i in range(n)) for j in kept}
+         for kv in range(HKV)]
+    vals = [{j: layer.values[0, kv, a].double().clone() for a, j in enumerate(kept)} for kv in range(HKV)]
+    u = draws(seed, 0, (prefill_draws + steps, 1, HKV))[prefill_draws:]
+    merged = 0
+    for step, t in enumerate(range(n, n + steps)):
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        _, probs = grouped_attention(q[:, :, t : t + 1], layer.keys, layer.values, None, D**-0.5)
+        method.decode(layer, DecodeContext(layer_idx=0, num_layers=1, num_kv_heads=HKV, query=q[:, :, t : t + 1],
+                                           probs=probs, capacity=torch.tensor([cap])))
+        cache = kept + [t]
+        for kv in range(HKV):
+            vals[kv][t] = v[0, kv, t].double().clone()
+            S[kv][t] = 0.0
+            x = cache[s]
+            p = min(S[kv][x] / max(S[kv][j] for j in cache), 1.0)
+            assert abs(float(u[step, 0, kv]) - p) > 1e-4
+            if float(u[step, 0, kv]) < p:
+                merged += 1
+                for j in cache[s + 1 : s + 1 + r]:
+                    vals[kv][j] = vals[kv][j] + vals[kv][x] / r
+            row = [probs_row(qd[kv * G + g_], kd[kv], t, cache) for g_ in range(G)]
+            for j in cache:
+                S[kv][j] += sum(rw[j] for rw in row) / G
+        kept = cache[:s] + cache[s + 1 :]
+        assert kept_positions(layer) == [kept] * HKV
+        for kv in range(HKV):
+            expect = torch.stack([vals[kv][j] for j in kept])
+            assert torch.allclose(layer.values[0, kv].double(), expect, atol=1e-5)
+            assert torch.allclose(layer.state["cam_acc"][0, kv].double(),
+                                  torch.tensor([S[kv][j] for j in kept], dtype=torch.float64), atol=1e-5)
+    assert 0 < merged < steps * HKV
+    assert layer.num_entries == cap
+
+
+def test_prefill_only_is_kvcache_factory_cam():
+    n, cap, w, seed = 50, 20, 8, 3
+    q, k, v = _qkv(n, seed=4)
+    layer = make_layer(k, v)
+    ctx = prefill_ctx(q, layer, cap)
+    method = CaM(variant="prefill_only", window=w, seed=seed)
+    out = method.prefill_attend(layer, ctx)
+    method.prefill(layer, ctx)
+    qd, kd, vd = q[0].double(), k[0].double(), v[0].double().clone()
+    s = math.ceil(0.1 * n)
+    u = draws(seed, 0, (n - w - s, 1, HKV))
+    kept_ref, margins, merged = [], [], 0
+    for kv in range(HKV):
+        W = [0.0] * n
+        for x_ in range(G):
+            for i in range(n - w, n):
+                for j, p in probs_row(qd[kv * G + x_], kd[kv], i, list(range(i + 1))).items():
+                    W[j] += p / G
+        for t in range(s + w, n):
+            x = t - w
+            p = min(W[x] / max(W[j] for j in list(range(s)) + list(range(t - w, t))), 1.0)
+            margins.append(abs(float(u[t - s - w, 0, kv]) - p))
+            if float(u[t - s - w, 0, kv]) < p:
+                vd[kv, x + 1 : x + 1 + w] += vd[kv, x] / w
+                merged += 1
+        top = sorted(range(n - w), key=lambda j: -W[j])[: cap - w]
+        kept_ref.append(sorted(top + list(range(n - w, n))))
+    assert min(margins) > 1e-4 and 0 < merged < len(margins)
+    assert kept_positions(layer) == kept_ref
+    for kv in range(HKV):
+        assert torch.allclose(layer.values[0, kv].double(), vd[kv, kept_ref[kv]], atol=1e-5)
+    for h in range(HQ):  # KVCache-Factory merges in place before its attention: the prompt output sees merged values
+        for i in (0, 17, n - 1):
+            ref = sum(p * vd[h // G, j] for j, p in probs_row(qd[h], kd[h // G], i, list(range(i + 1))).items())
+            assert torch.allclose(out[0, i, h].double(), ref, atol=1e-5)
+    layer.update(k[:, :, :1], v[:, :, :1])  # prefill-only: decoding appends
+    method.decode(layer, DecodeContext(0, 1, HKV, q[:, :, :1], None, torch.tensor([cap])))
+    assert layer.num_entries == cap + 1
+
+
+def test_draws_are_reproducible_and_follow_the_seed():
+    q, k, v = _qkv(40, seed=6)
+    outs = []
+    for seed in (0, 0, 1):
+        layer = make_layer(k, v)
+        ctx = prefill_ctx(q, layer, 12)
+        method = CaM(seed=seed)
+        method.prefill_attend(layer, ctx)
+        method.prefill(layer, ctx)
+        outs.append(layer.values.clone())
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], outs[2])
+
+
+def test_prompt_that_fits_is_plain_attention():
+    q, k, v = _qkv(10)
+    layer = make_layer(k, v)
+    ctx = prefill_ctx(q, layer, 16)
+    method = CaM()
+    assert method.prefill_attend(layer, ctx) is None
+    method.prefill(layer, ctx)
+    assert layer.num_entries == 10 and torch.equal(layer.values, v)
+    assert torch.allclose(layer.state["cam_acc"].sum(-1), torch.full((1, HKV), 10.0), atol=1e-4)  # rows sum to 1
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="variant='decode'.*paper, prefill_only"):
+        build_method({"name": "cam", "variant": "decode"}, Budget.parse(64))
+    with pytest.raises(ConfigError, match="start_share=1.5"):
+        build_method({"name": "cam", "start_share": 1.5}, Budget.parse(64))
+    with pytest.raises(ConfigError, match="budget=32.*window of 32"):
+        build_method({"name": "cam", "variant": "prefill_only"}, Budget.parse(32))
+    with pytest.raises(ConfigError, match="seed=-1"):
+        build_method({"name": "cam", "seed": -1}, Budget.parse(64))
+    assert CaM().split(128) == (64, 64) and CaM(start_share=0.25).split(10) == (3, 7)
