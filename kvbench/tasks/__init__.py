@@ -29,11 +29,12 @@ TASKS = Registry(
         "longbench": "kvbench.tasks.longbench:LongBenchTask",
         "longbench_e": "kvbench.tasks.longbench:LongBenchETask",
         "longbench_zh": "kvbench.tasks.longbench:LongBenchZhTask",
+        "ruler": "kvbench.tasks.ruler:RulerTask",
     },
     pending={
         name: _BENCHMARKS
         for name in (
-            "infinitebench", "ruler", "pg19", "gsm8k", "coqa",
+            "infinitebench", "pg19", "gsm8k", "coqa",
             "truthfulqa", "leval", "zeroscrolls",
         )
     },
