@@ -24,6 +24,8 @@ TASKS = Registry(
     "task",
     {
         "needle": "kvbench.tasks.needle:NeedleTask",
+        "needle_retrieval_head": "kvbench.tasks.needle.retrieval_head:NeedleRetrievalHeadTask",
+        "needle_kvpress": "kvbench.tasks.needle.kvpress:NeedleKVPressTask",
         "passkey": "kvbench.tasks.passkey:PasskeyTask",
         "2stageretr": "kvbench.tasks.twostage_retr:TwoStageRetrTask",
         "longbench": "kvbench.tasks.longbench:LongBenchTask",
