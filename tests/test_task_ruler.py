@@ -248,3 +248,29 @@ def test_qa_offline_names_data_dir_and_others_need_no_data(tmp_path, monkeypatch
                          "tasks": [t for t in RULER_TASKS if not t.startswith("qa")]})
     eleven.prepare_data()
     assert len(eleven.samples(tokenizer)) == 11
+
+
+# ---------------------------------------------------------------- a real run
+
+
+@pytest.mark.slow
+def test_smollm2_ruler_run_completes(tmp_path):
+    """``python -m kvbench.run task=ruler`` on SmolLM2 at 1K tokens, one sample of four tasks (one per generator
+    family that fits at 1K, QA from the fixtures), with SnapKV at 128."""
+    import os
+    import subprocess
+    import sys
+
+    tasks = "[niah_single_1,vt,fwe,qa_1]"
+    env = {**os.environ, "KVBENCH_RESULTS_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbench.run", "method=snapkv", "budget=128", "task=ruler", f"task.tasks={tasks}",
+         "task.context_lengths=[1024]", "task.num_samples=1", f"task.data_dir={FIXTURES}", "limit=4"],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (scores_file,) = tmp_path.glob("runs/smollm2-135m/ruler/snapkv/128/*/scores.json")
+    scores = json.loads(scores_file.read_text())
+    assert scores["n_samples"] == 4 and set(scores["datasets"]) == {"niah_single_1", "vt", "fwe", "qa_1"}
+    assert all(0 <= v <= 100 for v in scores["datasets"].values()) and set(scores["lengths"]) == {"1024"}
+    records = [json.loads(line) for line in scores_file.with_name("samples.jsonl").read_text().splitlines()]
+    assert all(r["prompt_tokens"] + r["meta"]["max_new_tokens"] <= 1024 + 1 for r in records)  # +1: BOS-free here

@@ -12,6 +12,7 @@ with ``data_dir`` null they are downloaded once from the URLs that script uses i
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
@@ -87,13 +88,16 @@ def download(dataset: str) -> Path:
     errors = []
     for url in URLS[dataset]:
         try:
-            with urllib.request.urlopen(url, timeout=60) as response, tempfile.NamedTemporaryFile(
-                dir=target.parent, delete=False, suffix=".part") as tmp:
-                tmp.write(response.read())
-            os.replace(tmp.name, target)
-            return target
-        except Exception as exc:  # offline, HTTP errors: all mean "use a local copy"
+            with urllib.request.urlopen(url, timeout=60) as response:
+                payload = response.read()
+            json.loads(payload)  # a proxy's error page is not the dataset
+        except Exception as exc:  # offline, HTTP errors, not JSON: all mean "use a local copy"
             errors.append(f"{url}: {type(exc).__name__}")
+            continue
+        with tempfile.NamedTemporaryFile(dir=target.parent, delete=False, suffix=".part") as tmp:
+            tmp.write(payload)
+        os.replace(tmp.name, target)  # atomic: concurrent jobs see nothing or the whole file
+        return target
     raise DataError(
         f"task 'ruler': {dataset} data not found and could not be downloaded ({'; '.join(errors)}); put "
         f"{' or '.join(FILES[dataset])} into a directory and set task.data_dir=<that directory> "
