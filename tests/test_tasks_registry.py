@@ -13,9 +13,9 @@ from kvbench.tasks import TASKS, build_task
 from kvbench.tasks.base import Task
 
 CONF_TASK = Path(__file__).resolve().parents[1] / "conf" / "task"
-PENDING = ("ruler", "pg19", "gsm8k", "coqa", "truthfulqa")
-IMPLEMENTED = {"needle", "passkey", "2stageretr", "longbench", "longbench_e", "longbench_zh", "leval", "zeroscrolls",
-               "infinitebench"}
+PENDING = ("pg19", "gsm8k", "coqa", "truthfulqa")
+IMPLEMENTED = {"needle", "needle_retrieval_head", "needle_kvpress", "passkey", "2stageretr", "longbench",
+               "longbench_e", "longbench_zh", "leval", "zeroscrolls", "infinitebench", "ruler"}
 
 
 def _yaml(name: str):

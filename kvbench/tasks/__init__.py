@@ -24,6 +24,8 @@ TASKS = Registry(
     "task",
     {
         "needle": "kvbench.tasks.needle:NeedleTask",
+        "needle_retrieval_head": "kvbench.tasks.needle.retrieval_head:NeedleRetrievalHeadTask",
+        "needle_kvpress": "kvbench.tasks.needle.kvpress:NeedleKVPressTask",
         "passkey": "kvbench.tasks.passkey:PasskeyTask",
         "2stageretr": "kvbench.tasks.twostage_retr:TwoStageRetrTask",
         "longbench": "kvbench.tasks.longbench:LongBenchTask",
@@ -32,11 +34,12 @@ TASKS = Registry(
         "leval": "kvbench.tasks.leval:LEvalTask",
         "zeroscrolls": "kvbench.tasks.zeroscrolls:ZeroScrollsTask",
         "infinitebench": "kvbench.tasks.infinitebench:InfiniteBenchTask",
+        "ruler": "kvbench.tasks.ruler:RulerTask",
     },
     pending={
         name: _BENCHMARKS
         for name in (
-            "ruler", "pg19", "gsm8k", "coqa",
+            "pg19", "gsm8k", "coqa",
             "truthfulqa",
         )
     },
