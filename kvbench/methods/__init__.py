@@ -8,7 +8,6 @@ from kvbench.budget import Budget
 from kvbench.methods.base import DecodeContext, Method, PrefillContext
 from kvbench.registry import Registry
 
-
 METHODS = Registry(
     "method",
     {
