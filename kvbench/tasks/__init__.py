@@ -29,11 +29,12 @@ TASKS = Registry(
         "longbench": "kvbench.tasks.longbench:LongBenchTask",
         "longbench_e": "kvbench.tasks.longbench:LongBenchETask",
         "longbench_zh": "kvbench.tasks.longbench:LongBenchZhTask",
+        "pg19": "kvbench.tasks.pg19:PG19Task",
     },
     pending={
         name: _BENCHMARKS
         for name in (
-            "infinitebench", "ruler", "pg19", "gsm8k", "coqa",
+            "infinitebench", "ruler", "gsm8k", "coqa",
             "truthfulqa", "leval", "zeroscrolls",
         )
     },
