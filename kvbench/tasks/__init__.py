@@ -30,12 +30,14 @@ TASKS = Registry(
         "longbench_e": "kvbench.tasks.longbench:LongBenchETask",
         "longbench_zh": "kvbench.tasks.longbench:LongBenchZhTask",
         "pg19": "kvbench.tasks.pg19:PG19Task",
+        "gsm8k": "kvbench.tasks.lmeval:GSM8KTask",
+        "coqa": "kvbench.tasks.lmeval:CoQATask",
+        "truthfulqa": "kvbench.tasks.lmeval:TruthfulQATask",
     },
     pending={
         name: _BENCHMARKS
         for name in (
-            "infinitebench", "ruler", "gsm8k", "coqa",
-            "truthfulqa", "leval", "zeroscrolls",
+            "infinitebench", "ruler", "leval", "zeroscrolls",
         )
     },
 )
