@@ -198,6 +198,29 @@ def _job(tmp_path, overrides):
     return scores, records
 
 
+def test_task_evaluate_with_fullkv_equals_one_full_forward_of_the_documents_tokens():
+    """The whole task path (essay tokens, prefill rule, records) on the tiny model: FullKV's streamed NLLs sum to a
+    single full forward's."""
+    from omegaconf import OmegaConf
+
+    from kvbench.models import load_model, spec_from_config
+
+    loaded = load_model(spec_from_config(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml")))
+    task = PG19Task(source="essays", max_tokens=64, n_books=1)
+    sample = task.samples(loaded.tokenizer)[0]
+    ids = loaded.tokenizer(pg19_data.essays("pg19")[0].text).input_ids[:64]
+    assert task._ids[sample.id] == ids
+    new_session = lambda: CompressionSession(loaded.model, build_method({"name": "fullkv"}, FULL), FULL)  # noqa: E731
+    record = task.evaluate([sample], loaded, new_session)[0]
+    with torch.no_grad():
+        direct = -_full_forward_logprobs(loaded.model, ids).double()
+    assert record["n_predicted"] == 63 and record["prompt_tokens"] == 1 and record["decode_steps"] == 62
+    assert record["nll_sum"] == pytest.approx(float(direct.sum()), abs=1e-3)
+    assert record["score"] == pytest.approx(math.exp(float(direct.mean())), rel=1e-5)
+    k = record["curve"]["positions"][5]
+    assert record["curve"]["cum_nll"][5] == pytest.approx(float(direct[:k].mean()), abs=1e-5)
+
+
 def test_essays_job_on_the_tiny_model(tmp_path):
     scores, records = _job(tmp_path, ["model=tiny-random", "task=pg19", "task.source=essays", "task.max_tokens=40",
                                       "task.n_books=2", "method=streamingllm", "budget=16"])

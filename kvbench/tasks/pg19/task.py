@@ -148,6 +148,7 @@ class PG19Task(Task):
                 "nll_sum": float(nll.sum()),
                 "n_predicted": len(nll),
                 "curve": self._sample_curve(nll),
+                "batch_size": 1,  # each document streams alone, whatever the runner's batch_size
                 "prompt_tokens": prefill,
                 "new_tokens": out.decode_steps,
                 "prefill_seconds": out.prefill_seconds,
