@@ -62,7 +62,7 @@ def test_squad_metrics_by_hand():
 
 def test_lm_evals_coqa_scorer_runs_with_leave_one_out():
     squad_metrics.install()
-    from kvbench.tasks.lmeval.task import tasks_dir
+    from kvbench.tasks.lmeval.harness import tasks_dir
 
     spec = importlib.util.spec_from_file_location("coqa_utils", tasks_dir() / "coqa" / "utils.py")
     utils = importlib.util.module_from_spec(spec)

@@ -5,7 +5,8 @@ Importing this package does not import lm-eval; a task checks for it in ``valida
 
 from kvbench.tasks.lmeval.coqa import CoQATask
 from kvbench.tasks.lmeval.gsm8k import GSM8KTask
-from kvbench.tasks.lmeval.task import INSTALL_HINT, LM_EVAL_PIN, LMEvalTask
+from kvbench.tasks.lmeval.harness import INSTALL_HINT, LM_EVAL_PIN
+from kvbench.tasks.lmeval.task import LMEvalTask
 from kvbench.tasks.lmeval.truthfulqa import TruthfulQATask
 
 __all__ = ["INSTALL_HINT", "LM_EVAL_PIN", "CoQATask", "GSM8KTask", "LMEvalTask", "TruthfulQATask"]

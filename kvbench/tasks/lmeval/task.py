@@ -13,48 +13,16 @@ prompts or scorers is rewritten. reference/benchmarks.md section 6; README.md in
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvbench.errors import ConfigError, DataError, NotAvailableError
+from kvbench.errors import ConfigError, DataError
 from kvbench.tasks import check_bool, check_int, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.lmeval import data
-
-LM_EVAL_PIN = "lm-eval==0.4.13"
-INSTALL_HINT = f"pip install -e .[lmeval] ({LM_EVAL_PIN})"
-BOOTSTRAP_ITERS = 100000  # lm-eval's default; closed-form stderr for mean metrics
-SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
-
-
-def tasks_dir() -> Path:
-    """lm-eval's installed ``lm_eval/tasks`` folder, found without importing lm-eval (NotAvailableError if absent)."""
-    spec = importlib.util.find_spec("lm_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise NotAvailableError(f"this task runs through EleutherAI's lm-evaluation-harness, which is not installed; "
-                                f"run: {INSTALL_HINT}")
-    return Path(list(spec.submodule_search_locations)[0]) / "tasks"
-
-
-def read_task_yaml(path: Path) -> dict[str, Any]:
-    """An lm-eval task YAML as data (``!function`` tags kept as strings, ``include`` merged under the file)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
-    cfg = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # noqa: S506 (SafeLoader subclass)
-    include = cfg.pop("include", None)
-    if include is None:
-        return cfg
-    merged: dict[str, Any] = {}
-    for name in include if isinstance(include, list) else [include]:
-        merged.update(read_task_yaml(path.parent / name))
-    return {**merged, **cfg}
+from kvbench.tasks.lmeval.harness import BOOTSTRAP_ITERS, SPLIT_KEYS, plain, read_task_yaml, tasks_dir
 
 
 @dataclass
@@ -224,7 +192,7 @@ class LMEvalTask(Task):
         metrics: dict[str, Any] = {}
         for filter_key in requests[0].filtered_resps:
             values = self._task.process_results(doc, [r.filtered_resps[filter_key] for r in requests])
-            metrics.update({f"{metric},{filter_key}": _plain(value) for metric, value in values.items()})
+            metrics.update({f"{metric},{filter_key}": plain(value) for metric, value in values.items()})
         primary_filter = self.metric.partition(",")[2]
         filtered = requests[0].filtered_resps.get(primary_filter, requests[0].resps)
         stats = lm.request_stats
@@ -232,9 +200,9 @@ class LMEvalTask(Task):
             "id": sample.id,
             "score": float(metrics[self.metric]),
             "metrics": metrics,
-            "prediction": filtered if isinstance(filtered, str) else json.dumps(_plain(filtered)),
+            "prediction": filtered if isinstance(filtered, str) else json.dumps(plain(filtered)),
             "raw_prediction": requests[0].resps[0] if isinstance(requests[0].resps[0], str) else "",
-            "responses": [_plain(r.resps) for r in requests],
+            "responses": [plain(r.resps) for r in requests],
             "answers": sample.answers,
             "meta": sample.meta,
             "batch_size": 1,
@@ -264,7 +232,7 @@ class LMEvalTask(Task):
                 metric, _, filter_key = key.partition(",")
                 raw.setdefault((metric, filter_key), []).append(value)
         agg, _ = _compute_task_aggregations(self._task, raw, bootstrap_iters=BOOTSTRAP_ITERS) if raw else ({}, 0)
-        agg = {key: _plain(value) for key, value in agg.items()}
+        agg = {key: plain(value) for key, value in agg.items()}
         return {"score": agg.get(self.metric, float("nan")), "n": len(records), "metrics": agg,
                 "lm_eval_task": self.lm_eval_task}
 
@@ -277,15 +245,4 @@ class LMEvalTask(Task):
                 "lm_eval_task_version": (cfg.get("metadata") or {}).get("version")}
 
 
-def _plain(value: Any) -> Any:
-    """JSON-friendly: numpy scalars to Python numbers, tuples to lists."""
-    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict, str)):
-        return value.item()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-__all__ = ["INSTALL_HINT", "LM_EVAL_PIN", "LMEvalTask", "read_task_yaml", "tasks_dir"]
+__all__ = ["LMEvalTask"]
