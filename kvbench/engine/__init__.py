@@ -1,4 +1,5 @@
-"""The only code that touches transformers internals: attention functions, cache layers, generation loop.
+"""The only code that touches transformers internals: attention functions, cache layers, generation and
+teacher-forced scoring loops.
 
 Names are imported lazily so that ``kvbench.methods`` (which the session imports) can use ``kvbench.engine.cache``
 without an import cycle.
@@ -15,6 +16,8 @@ _EXPORTS = {
     "SessionStats": "kvbench.engine.session",
     "greedy_generate": "kvbench.engine.generate",
     "GenerationOutput": "kvbench.engine.generate",
+    "teacher_forced_logprobs": "kvbench.engine.teacher_forcing",
+    "TokenScores": "kvbench.engine.teacher_forcing",
 }
 
 __all__ = list(_EXPORTS)

@@ -18,8 +18,6 @@ from kvbench.errors import ConfigError
 from kvbench.registry import Registry
 from kvbench.tasks.base import Sample, Task
 
-_BENCHMARKS = "arrives with issue #5, benchmarks"
-
 TASKS = Registry(
     "task",
     {
@@ -35,13 +33,10 @@ TASKS = Registry(
         "zeroscrolls": "kvbench.tasks.zeroscrolls:ZeroScrollsTask",
         "infinitebench": "kvbench.tasks.infinitebench:InfiniteBenchTask",
         "ruler": "kvbench.tasks.ruler:RulerTask",
-    },
-    pending={
-        name: _BENCHMARKS
-        for name in (
-            "pg19", "gsm8k", "coqa",
-            "truthfulqa",
-        )
+        "pg19": "kvbench.tasks.pg19:PG19Task",
+        "gsm8k": "kvbench.tasks.lmeval:GSM8KTask",
+        "coqa": "kvbench.tasks.lmeval:CoQATask",
+        "truthfulqa": "kvbench.tasks.lmeval:TruthfulQATask",
     },
 )
 

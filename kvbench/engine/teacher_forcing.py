@@ -1,0 +1,110 @@
+"""Teacher-forced scoring with the cache: the log-probability of given tokens, read the way decoding reads them.
+
+``teacher_forced_logprobs(model, ids, prefill_len, score_from)`` runs ``ids[:prefill_len]`` as one prefill forward,
+then feeds ``ids[prefill_len : N-1]`` one token per forward with the cache (``position_ids`` = the token's index),
+exactly like greedy decoding except that the next token is the given one, not the argmax. It returns
+``log p(ids[j] | ids[:j])`` for every ``j`` in ``[score_from, N)``.
+
+Where compression happens relative to the scores (inside a ``CompressionSession``):
+
+* the prefill's logits come from full causal attention over the prefill; the method's ``prefill`` /
+  ``finish_prefill`` run after each layer's attention output was computed, so they shape the cache for the
+  *following* forwards only (a method with ``prefill_attend``, such as LM-Infinite's Λ mask, restricts the prefill
+  attention itself);
+* in the forward that feeds token ``t`` every layer first appends ``t``'s key and value, attends over the cache it
+  had after step ``t-1`` plus ``t``, and only then calls the method's ``decode`` hook, which evicts. The logits of
+  that forward, hence the log-probability of ``ids[t+1]``, are computed **before** step ``t``'s eviction, which
+  affects forward ``t+1`` onwards. This is StreamingLLM's ``eval_long_ppl.py`` order: score, then evict.
+
+PG-19 streaming perplexity uses ``score_from=1``; lm-eval loglikelihood requests use ``score_from=len(context)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.engine.cache import KVCache
+
+_ROWS_PER_CHUNK = 1024  # log-softmax over the prefill's logits in chunks of positions (bounded extra memory)
+
+
+@dataclass
+class TokenScores:
+    """logprobs / greedy: ``(N - score_from,)`` float32 log-probabilities of ``ids[score_from:]`` and whether each
+    token is the argmax of its logits (lm-eval's ``is_greedy``); seconds and steps as ``greedy_generate`` counts
+    them (``decode_steps`` = single-token forwards after the prefill)."""
+
+    logprobs: torch.Tensor
+    greedy: torch.Tensor
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    resident_kv_bytes_final: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _score_rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits)[i, targets[i]]`` and ``argmax == target`` for ``logits (n, vocab)``, in float32."""
+    logprobs, greedy = [], []
+    for start in range(0, logits.shape[0], _ROWS_PER_CHUNK):
+        rows = logits[start : start + _ROWS_PER_CHUNK].float()
+        target = targets[start : start + _ROWS_PER_CHUNK].view(-1, 1)
+        logprobs.append((rows.gather(-1, target) - torch.logsumexp(rows, dim=-1, keepdim=True)).view(-1))
+        greedy.append(rows.argmax(-1) == target.view(-1))
+    return torch.cat(logprobs), torch.cat(greedy)
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(model, ids: Sequence[int], prefill_len: int, score_from: int = 1) -> TokenScores:
+    """Score ``ids[score_from:]`` with a prefill of ``prefill_len`` tokens and single-token steps after it.
+
+    Requires ``1 <= score_from <= prefill_len <= len(ids) - 1``. Batch size 1, no padding.
+    """
+    n = len(ids)
+    if not 1 <= score_from <= prefill_len <= n - 1:
+        raise ValueError(f"need 1 <= score_from ({score_from}) <= prefill_len ({prefill_len}) <= len(ids) - 1 "
+                         f"({n - 1})")
+    device = model.device
+    tokens = torch.tensor(list(ids), dtype=torch.long, device=device).view(1, -1)
+    cache = KVCache()
+
+    _sync(device)
+    t0 = time.perf_counter()
+    keep = prefill_len - score_from + 1  # prefill positions whose logits predict a scored token
+    out = model(
+        input_ids=tokens[:, :prefill_len], position_ids=torch.arange(prefill_len, device=device).view(1, -1),
+        past_key_values=cache, use_cache=True, logits_to_keep=keep,
+    )
+    first_lp, first_greedy = _score_rows(out.logits[0, -keep:], tokens[0, score_from : prefill_len + 1])
+    del out
+    _sync(device)
+    prefill_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    step_lp = torch.empty(n - 1 - prefill_len, dtype=torch.float32, device=device)
+    step_greedy = torch.empty(n - 1 - prefill_len, dtype=torch.bool, device=device)
+    for i, t in enumerate(range(prefill_len, n - 1)):
+        out = model(
+            input_ids=tokens[:, t : t + 1], position_ids=torch.full((1, 1), t, device=device),
+            past_key_values=cache, use_cache=True,
+        )
+        lp, greedy = _score_rows(out.logits[0, -1:], tokens[0, t + 1 : t + 2])
+        step_lp[i], step_greedy[i] = lp[0], greedy[0]
+    _sync(device)
+    decode_seconds = time.perf_counter() - t1
+    return TokenScores(
+        logprobs=torch.cat([first_lp, step_lp]).cpu(),
+        greedy=torch.cat([first_greedy, step_greedy]).cpu(),
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        decode_steps=n - 1 - prefill_len,
+        resident_kv_bytes_final=cache.resident_bytes(),
+    )
