@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -346,3 +347,18 @@ def test_gate_offsets_by_hand():
     assert offsets[1][0] == pytest.approx(sum(diffs) / len(diffs), abs=1e-5)
     with pytest.raises(ValueError, match="no distant tokens"):
         gate_offsets([cap], lowest, n_s, n_r=20, scaling=0.5)
+
+
+def test_job_key_names_the_block_map_by_content_not_path(tmp_path):
+    """Two copies of one map give one job key (checkouts elsewhere skip finished jobs); a changed map another."""
+    source = Path(__file__).resolve().parents[1] / "results" / "pod" / "smollm2-135m-layer.json"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = tmp_path / "a" / source.name, tmp_path / "b" / source.name
+    first.write_bytes(source.read_bytes())
+    second.write_bytes(source.read_bytes())
+    described = POD(block_map=str(first)).describe()
+    assert described == POD(block_map=str(second)).describe()
+    assert described["block_map"].startswith("smollm2-135m-layer.json#sha256:") and str(tmp_path) not in str(described)
+    second.write_text(source.read_text().replace("\n", "\n ", 1))
+    assert POD(block_map=str(second)).describe()["block_map"] != described["block_map"]

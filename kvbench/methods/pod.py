@@ -7,6 +7,7 @@ paper 004; no public code or weights). reference/methods.md A5. This is the trai
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,9 +65,11 @@ def load_block_map(path: str | Path) -> dict:
     is one list of blocks shared by every KV head.
     """
     try:
-        data = json.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
+        data = json.loads(raw)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"method 'pod': block_map={str(path)!r} cannot be read ({exc})") from None
+    data["sha256"] = hashlib.sha256(raw).hexdigest()
     blocks = data.get("blocks")
     if not isinstance(blocks, list) or not blocks:
         raise ConfigError(f"method 'pod': block_map={str(path)!r} has no 'blocks' list")
@@ -128,6 +131,14 @@ class POD(Method):
     chunk: int = 1024
     _map: dict | None = field(default=None, init=False, repr=False)
 
+    def describe(self) -> dict:
+        """The block map is named by its file name and content hash, not its path: a job's key does not depend on
+        where the checkout lives, and a rewritten map is a different job."""
+        described = {k: v for k, v in super().describe().items() if not k.startswith("_")}
+        if self._map is not None:
+            described["block_map"] = f"{Path(self.block_map).name}#sha256:{self._map['sha256'][:16]}"
+        return described
+
     def budget_label(self, budget: Budget) -> str:
         return f"window{self.n_s}+{self.n_r}"  # the budget is unused: the window sets what stays resident
 
@@ -166,9 +177,6 @@ class POD(Method):
             raise ConfigError(f"method 'pod': gate_offsets of {self.block_map!r} were calibrated for n_s={cal['n_s']}, "
                               f"n_r={cal['n_r']}, not n_s={self.n_s}, n_r={self.n_r}")
         return torch.tensor(cal["offsets"], dtype=torch.float32)
-
-    def describe(self) -> dict:
-        return {k: v for k, v in super().describe().items() if not k.startswith("_")}
 
     # ---- block structure -----------------------------------------------------------------------------------------
     def _structure(self, num_layers: int, num_kv_heads: int) -> list[list[int]]:
