@@ -490,8 +490,26 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return scores.get("score")
 
 
+def _expose_hydra_plugins() -> None:
+    """Make this checkout's ``hydra_plugins`` (kvbench's sweeper and launchers) visible to Hydra's plugin scan.
+
+    A regular install puts ``hydra_plugins/kvbench_sweep`` into site-packages. An editable install (``pip install
+    -e .``) maps the ``kvbench`` package only, so outside the checkout Hydra would not find the sweeper ("Unknown
+    plugin class"). Then the checkout's root goes to the end of ``sys.path`` and of ``PYTHONPATH`` (submitit's
+    worker processes unpickle the launcher from there)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "hydra_plugins" / "kvbench_sweep").is_dir() or importlib.util.find_spec(
+            "hydra_plugins.kvbench_sweep") is not None:
+        return
+    sys.path.append(str(root))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(root)) if p)
+
+
 def main() -> None:
     register_resolvers()
+    _expose_hydra_plugins()
     try:
         precheck_overrides(sys.argv[1:])
     except KVBenchError as exc:

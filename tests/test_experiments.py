@@ -161,8 +161,8 @@ def _tasks(row) -> list[tuple[str, dict, str]]:
     if match := re.match(r"LongBench\[\d+\]: ([\w,-]+)", text):
         task = "longbench_e" if ctx == ">8k subset" else "longbench"
         return [(task, {"datasets": frozenset(match[1].split(","))}, "")]
-    if text == "needle_in_a_haystack":
-        return [("needle", {"context_lengths": frozenset(int(x[:-1]) * 1000 for x in ctx.split())}, "")]
+    if text == "needle_in_a_haystack":  # D2O Table 3, the only needle table: the Retrieval-Head protocol
+        return [("needle_retrieval_head", {"context_lengths": frozenset(int(x[:-1]) * 1000 for x in ctx.split())}, "")]
     if text == "RULER:ruler":
         return [("ruler", {"context_lengths": frozenset(_lengths(ctx))}, "")]
     parts = [p.strip() for p in text.split(";") if p.strip() and not p.strip().startswith("avg(")]
