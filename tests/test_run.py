@@ -219,6 +219,16 @@ def test_wandb_logger_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr
     runs = list((tmp_path / "results" / "logs").glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+    logged = runs[0].read_bytes()  # protobuf records: keys and JSON values appear as plain bytes
+    for key in (b"scores/score", b"efficiency/resident_kv_bytes_mean", b"efficiency/decode_ms_per_token"):
+        assert key in logged, key
+    (scores_file,) = (tmp_path / "results" / "runs").rglob("scores.json")
+    score = json.loads(scores_file.read_text())["score"]
+    assert json.dumps(score).encode() in logged  # the summary's value_json of the job's score
+    (table,) = runs[0].parent.glob("files/media/table/samples_*.table.json")
+    rows = json.loads(table.read_text())["data"]
+    records = [json.loads(line) for line in (scores_file.parent / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == len(records) == 2
 
 
 def test_per_sample_generation_limits_in_one_batch(tmp_path, monkeypatch):

@@ -115,3 +115,14 @@ def test_array_sweep_skip_and_cancel(tmp_path, slurm_env):
     assert "0 succeeded, 4 skipped (finished earlier)" in again.stdout
     assert not [line for line in _squeue(slurm_env).splitlines() if line.strip()]
     print(f"whole slurm test: {time.time() - started:.1f} s")
+
+
+def test_a_refused_submission_is_one_line_and_writes_nothing(tmp_path, slurm_env):
+    """sbatch refuses a GPU request on the GPU-less node: exit 2, one line naming the refusal, no job in the store."""
+    results = tmp_path / "results"
+    proc = _sweep(["task.n_depths=1", "method=snapkv", "budget=64", "hydra.launcher.gpus_per_node=1"], results,
+                  slurm_env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [row for row in proc.stderr.splitlines() if row.startswith("error:")]
+    assert "could not submit" in line and "gres" in line and "gpus_per_node" in line
+    assert not (results / "runs").exists() or not list((results / "runs").rglob("samples.jsonl"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,7 +63,20 @@ def run_sweep(config: DictConfig, hydra_context: Any, launcher: Any, arguments: 
           f"{', '.join(str(len(c)) for c in chunks)}); sweep dir {sweep_dir}", flush=True)
     # A worker's config is the sweep's (the command line without its sweeps, e.g. launcher=slurm) plus its chunk.
     fixed = [o.input_line for o in composer.parser.parse_overrides(arguments) if not o.is_sweep_override()]
-    returns = launcher.launch([[*fixed, f"+sweep_chunk={path}"] for path in chunk_files], initial_job_idx=0)
+    try:
+        returns = launcher.launch([[*fixed, f"+sweep_chunk={path}"] for path in chunk_files], initial_job_idx=0)
+    except Exception as exc:
+        from submitit.core.utils import FailedJobError
+
+        if not isinstance(exc, FailedJobError):
+            raise
+        # The scheduler refused the submission (sbatch: bad partition, gres, memory, ...): nothing was submitted.
+        refusal = " ".join(str(exc).split())
+        print(f"error: the launcher could not submit the sweep ({refusal}); nothing was submitted. Set the cluster's "
+              "resources with hydra.launcher.partition / gpus_per_node / cpus_per_task / mem_gb / timeout_min "
+              "(conf/launcher/slurm.yaml)", file=sys.stderr, flush=True)
+        _EXIT_CODE = 2
+        return []
     outcomes = collect_outcomes(returns, chunk_files)
     dead = [r for r in returns if r.status != JobStatus.COMPLETED]
     print(summarize(jobs, outcomes, skipped, dead_workers=len(dead)), flush=True)
