@@ -85,6 +85,7 @@ def write_run_tables(runs, out: Path) -> list[tuple[str, Path, str]]:
 
 def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables: str = "with_ours") -> Path:
     """Tables + figures + an index README for one results directory (experiment-agnostic)."""
+    from kvbench.report.claims import write_claims
     from kvbench.report.figures import make_figures
     from kvbench.report.specs import load_specs
     from kvbench.report.store import load_runs
@@ -95,11 +96,15 @@ def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables:
     paper = write_paper_tables(load_specs(), runs, tables_dir, ours_models,
                                only_with_ours=paper_tables == "with_ours") if paper_tables != "none" else []
     figures = make_figures(results, figures_dir, runs)
+    claims = write_claims(results, runs, out)
     command = f"python -m kvbench.report all --results {results.as_posix()} --out {out.as_posix()}"
     command += "".join(f" --ours-model {k + '=' if k != '*' else ''}{v}" for k, v in sorted(ours_models.items()))
     if paper_tables != "with_ours":
         command += f" --paper-tables {paper_tables}"
     lines = [f"# Report: {results.as_posix()}", "", f"Regenerate: `{command}`", "", f"{len(runs)} finished runs.", ""]
+    if claims is not None:  # the results directory's claims.yaml, evaluated (kvbench/report/claims.py)
+        lines += ["## Claims", "", claims.read_text(encoding="utf-8").split("\n", 2)[2].strip(), "",
+                  f"(`{claims.relative_to(out).as_posix()}`)", ""]
     for title, path, markdown in run_tables:
         lines += [f"## {title}", "", markdown, f"(`{path.relative_to(out).as_posix()}`, also `.csv`, `.tex`)", ""]
     if paper:
