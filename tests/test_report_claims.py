@@ -40,6 +40,9 @@ def test_compare_per_budget_with_the_mean_over_tasks():
     assert r512["verdict"] == "not run"
     reverse = evaluate({**claim, "better": "b", "than": ["a"], "budgets": [64]}, _runs(), "m", ["needle", "passkey"])
     assert reverse[0]["verdict"] == "did not hold" and reverse[0]["tasks"] == "1/2"
+    lower = evaluate({**claim, "better": "b", "than": ["a"], "budgets": [64], "lower_is_better": True}, _runs(), "m",
+                     ["needle", "passkey"])  # perplexity-like: b's 42.5 % of FullKV is "better" than a's 50 %
+    assert lower[0]["verdict"] == "held" and lower[0]["tasks"] == "1/2"
 
 
 def test_templated_labels_pod_window():

@@ -8,7 +8,8 @@ the claim's tasks (tasks only count where every compared run exists).
 
 Claim kinds (``kind``):
 
-* ``compare``: at each budget ``b`` of ``budgets``, ``better`` scores at least as high as each method of ``than``.
+* ``compare``: at each budget ``b`` of ``budgets``, ``better`` scores at least as high as each method of ``than``
+  (at most as high with ``lower_is_better: true``, e.g. perplexity).
 * ``near_full``: at each budget, ``method`` keeps at least ``at_least`` % of FullKV.
 * ``monotone``: each method of ``methods`` never scores lower at a larger budget of ``budgets``.
 * ``fullkv_solves``: FullKV scores at least ``at_least`` on ``tasks`` (else the paper's claim is untestable here).
@@ -99,11 +100,12 @@ def evaluate(claim: dict[str, Any], runs: pd.DataFrame, model: str, default_task
             continue
         better = _ref(claim["better"], budget)
         others = [_ref(m, budget) for m in claim["than"]]
+        sign = -1.0 if claim.get("lower_is_better") else 1.0
         per_task = _values(table, tasks, [better, *others])
-        ok = {t: all(v[0] >= o - 1e-9 for o in v[1:]) for t, v in per_task.items()}
+        ok = {t: all(sign * (v[0] - o) >= -1e-9 for o in v[1:]) for t, v in per_task.items()}
         means = [_mean([v[i] for v in per_task.values()]) for i in range(1 + len(others))]
         numbers = f"{better[0]} {means[0]:.1f} vs " + ", ".join(f"{m} {x:.1f}" for (m, _), x in zip(others, means[1:]))
-        rows.append(_row(budget, numbers, ok, all(means[0] >= x - 1e-9 for x in means[1:])))
+        rows.append(_row(budget, numbers, ok, all(sign * (means[0] - x) >= -1e-9 for x in means[1:])))
     return rows
 
 
