@@ -124,3 +124,21 @@ class FlakyScorerTask(PerSampleLimitsTask):
         if sample.id in self.bad:
             raise ValueError(f"cannot score {sample.id}")
         return 1.0
+
+
+def run_job_in(results_dir, overrides: list[str]) -> tuple[dict, list[dict]]:
+    """Compose the real configs with ``overrides``, run the job into ``results_dir``: its scores and records."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR, register_resolvers
+    from kvbench.run import run_job
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*overrides, f"paths.results_dir={results_dir}",
+                                                         "print_table=false"])
+    scores = run_job(cfg)
+    samples = next(results_dir.rglob("samples.jsonl")).read_text().splitlines()
+    return scores, [json.loads(line) for line in samples]

@@ -24,6 +24,7 @@ pytest.importorskip("lm_eval", reason="the lmeval extra is not installed (pip in
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from helpers import run_job_in  # noqa: E402
 from kvbench.tasks.lmeval import (  # noqa: E402
     CoQATask,
     GSM8KTask,
@@ -225,16 +226,6 @@ def test_gsm8k_filters_and_exact_match_per_document(tokenizer):
     assert task.aggregate(records[:1])["metrics"]["exact_match_stderr,strict-match"] == "N/A"
 
 
-def _job(tmp_path, overrides):
-    from kvbench.run import run_job
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*overrides, f"paths.results_dir={tmp_path}",
-                                                         "print_table=false"])
-    scores = run_job(cfg)
-    records = [json.loads(line) for line in next(tmp_path.rglob("samples.jsonl")).read_text().splitlines()]
-    return scores, records
 
 
 @pytest.mark.parametrize("overrides, primary, n", [
@@ -244,7 +235,7 @@ def _job(tmp_path, overrides):
     (["task=truthfulqa", f"task.data_dir={TRUTHFULQA}", "task.lm_eval_task=truthfulqa_mc2"], "acc,none", 2),
 ])
 def test_tiny_model_job_aggregate_matches_records(tmp_path, overrides, primary, n):
-    scores, records = _job(tmp_path, ["model=tiny-random", "method=snapkv", "budget=64",
+    scores, records = run_job_in(tmp_path, ["model=tiny-random", "method=snapkv", "budget=64",
                                       "task.gen_kwargs={max_gen_toks:4}", *overrides])
     assert len(records) == scores["n"] == n and scores["metric"] == primary
     for key in records[0]["metrics"]:
@@ -310,7 +301,7 @@ def test_data_dir_needs_the_splits_the_run_reads(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_gsm8k_on_the_fixtures(tmp_path):
-    scores, records = _job(tmp_path, ["task=gsm8k", f"task.data_dir={GSM8K}", "method=snapkv", "budget=128",
+    scores, records = run_job_in(tmp_path, ["task=gsm8k", f"task.data_dir={GSM8K}", "method=snapkv", "budget=128",
                                       "limit=2"])
     assert len(records) == 2 and scores["score"] in (0.0, 0.5, 1.0)
     assert all(r["prompt_tokens"] > 128 and r["resident_kv_bytes"] == 128 * 30 * 3 * 64 * 2 * 4 for r in records)

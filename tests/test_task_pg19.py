@@ -4,16 +4,15 @@ and aggregate by hand, the data formats, and clear errors offline."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
+from helpers import run_job_in
 from kvbench.budget import Budget
-from kvbench.config import CONF_DIR, register_resolvers
+from kvbench.config import CONF_DIR
 from kvbench.engine import CompressionSession, teacher_forced_logprobs
 from kvbench.errors import ConfigError, DataError
 from kvbench.methods import build_method
@@ -185,19 +184,6 @@ def test_first_tokens_equals_tokenizing_the_whole_text(tokenizer):
     assert pg19_data.first_tokens(tokenizer, "short text", 500) == tokenizer("short text").input_ids
 
 
-# ---- a job on the tiny model -----------------------------------------------------------------------------------------
-def _job(tmp_path, overrides):
-    from kvbench.run import run_job
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*overrides, f"paths.results_dir={tmp_path}",
-                                                         "print_table=false"])
-    scores = run_job(cfg)
-    records = [json.loads(line) for line in next(tmp_path.rglob("samples.jsonl")).read_text().splitlines()]
-    return scores, records
-
-
 def test_task_evaluate_with_fullkv_equals_one_full_forward_of_the_documents_tokens():
     """The whole task path (essay tokens, prefill rule, records) on the tiny model: FullKV's streamed NLLs sum to a
     single full forward's."""
@@ -222,8 +208,8 @@ def test_task_evaluate_with_fullkv_equals_one_full_forward_of_the_documents_toke
 
 
 def test_essays_job_on_the_tiny_model(tmp_path):
-    scores, records = _job(tmp_path, ["model=tiny-random", "task=pg19", "task.source=essays", "task.max_tokens=40",
-                                      "task.n_books=2", "method=streamingllm", "budget=16"])
+    scores, records = run_job_in(tmp_path, ["model=tiny-random", "task=pg19", "task.source=essays",
+                                            "task.max_tokens=40", "task.n_books=2", "method=streamingllm", "budget=16"])
     assert [r["id"] for r in records] == ["essays/addiction", "essays/aord"]
     assert scores["score"] == round(math.exp(sum(r["nll_sum"] for r in records) / 78), 4)
     assert all(r["n_predicted"] == 39 and r["prompt_tokens"] == 16 and r["decode_steps"] == 23 for r in records)
@@ -240,7 +226,7 @@ def test_smollm2_essays_fullkv_snapkv_streamingllm(tmp_path):
     common = ["task=pg19", "task.source=essays", "task.max_tokens=400", "task.n_books=1", "budget=128"]
     results = {}
     for method in ("fullkv", "snapkv", "streamingllm"):
-        scores, records = _job(tmp_path / method, [*common, f"method={method}"])
+        scores, records = run_job_in(tmp_path / method, [*common, f"method={method}"])
         results[method] = (scores["score"], records[0]["resident_kv_bytes_final"])
     per_token = 30 * 3 * 64 * 2 * 4
     assert results["fullkv"][1] == results["snapkv"][1] == 399 * per_token

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.engine.cache import KVCache
+from kvbench.engine.generate import _sync
 
 _ROWS_PER_CHUNK = 1024  # log-softmax over the prefill's logits in chunks of positions (bounded extra memory)
 
@@ -44,11 +45,6 @@ class TokenScores:
     decode_seconds: float
     decode_steps: int
     resident_kv_bytes_final: int
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _score_rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
