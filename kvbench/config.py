@@ -34,11 +34,23 @@ def wandb_mode() -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def run_id() -> str:
+    """``<pid>-<4 hex>``, fixed for this process and inherited by its workers (``KVBENCH_RUN_ID``): it makes two
+    sweeps started in the same second write to different sweep directories (their worker chunk files would
+    otherwise overwrite each other's)."""
+    import os
+    import secrets
+
+    return os.environ.setdefault("KVBENCH_RUN_ID", f"{os.getpid()}-{secrets.token_hex(2)}")
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("kvbench_root"):
         OmegaConf.register_new_resolver("kvbench_root", project_root)
     if not OmegaConf.has_resolver("kvbench_local_workers"):
         OmegaConf.register_new_resolver("kvbench_local_workers", local_workers)
+    if not OmegaConf.has_resolver("kvbench_run_id"):
+        OmegaConf.register_new_resolver("kvbench_run_id", run_id)
     if not OmegaConf.has_resolver("kvbench_wandb_mode"):
         OmegaConf.register_new_resolver("kvbench_wandb_mode", wandb_mode)
 

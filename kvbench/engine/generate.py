@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench import faults
 from kvbench.engine.cache import KVCache
 
 
@@ -64,6 +65,9 @@ def greedy_generate(
     next_token = out.logits[:, -1, :].argmax(-1)
     _sync(device)
     prefill_seconds = time.perf_counter() - t0
+    faults.reach("mid_sample")
+    if faults.armed("oom"):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected by KVBENCH_FAULT=oom)")
 
     t1 = time.perf_counter()
     steps = 0

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvbench import assets
+from kvbench import assets, faults
 from kvbench.errors import ConfigError, DataError, NotAvailableError, invalid_choice
 from kvbench.models.spec import ATTN_IMPLEMENTATIONS, DEVICES, DTYPES, SOURCES, LoadedModel, ModelSpec
 from kvbench.models.tiny import build_tiny_llama, resolve_tiny
@@ -215,6 +215,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     spec = spec_from_config(spec)
     device = resolve_device(spec.device)
     model, tokenizer = _LOADERS[spec.source](spec, device)
+    faults.reach("model_load")
     model.eval()
     model.requires_grad_(False)
     _prepare_tokenizer(tokenizer, model)

@@ -25,11 +25,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kvbench import faults
 from kvbench.errors import KVBenchError
 
 
 class JobLockedError(KVBenchError):
-    """Another process holds the job's lock."""
+    """Another process holds the job's lock (exit code 3: busy, not bad input)."""
+
+    exit_code = 3
 
 
 def canonical_json(obj: Any) -> str:
@@ -45,7 +48,7 @@ def ids_digest(ids: Iterable[str]) -> str:
     return hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str, fault_point: str | None = None) -> None:
     """Write via a temp file in the same directory and rename: readers never see a partial file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
@@ -53,6 +56,8 @@ def atomic_write_text(path: Path, text: str) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        if fault_point is not None:
+            faults.reach(fault_point)  # tests: a kill between the temp file and the rename
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -95,6 +100,9 @@ class JobDir:
             self._lock_fh.close()
             self._lock_fh = None
             raise JobLockedError(f"job {self.path} is being run by another process; skipping it") from None
+        for name in ("config.yaml", "meta.json", "scores.json"):  # written only under this lock: a temp file left
+            for stale in self.path.glob(f".{name}.*"):  # by a kill between write and rename is garbage now
+                stale.unlink(missing_ok=True)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -167,6 +175,11 @@ class JobDir:
     def append_record(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         with open(self.samples_path, "ab") as fh:
+            if faults.armed("record_write"):  # tests: a kill with half the line on disk
+                fh.write(line[: len(line) // 2])
+                fh.flush()
+                os.fsync(fh.fileno())
+                faults.die()
             fh.write(line)
             fh.flush()
             os.fsync(fh.fileno())
@@ -199,7 +212,8 @@ class JobDir:
 
     def write_scores(self, scores: dict[str, Any]) -> None:
         """Write the final scores; a job that finishes is no longer failed, so its failure record goes."""
-        atomic_write_text(self.scores_path, json.dumps(scores, indent=2, sort_keys=True, default=str) + "\n")
+        atomic_write_text(self.scores_path, json.dumps(scores, indent=2, sort_keys=True, default=str) + "\n",
+                          fault_point="scores_write")
         self.failure_path.unlink(missing_ok=True)
 
     # ---- failures ------------------------------------------------------------------------------------------------
