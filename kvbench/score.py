@@ -8,6 +8,12 @@ be compared with kvbench's and with the official code's. One JSON object per lin
     {"dataset": "qasper", "prediction": "...", "answers": ["..."], "length": 5310}        # LongBench-E buckets
     {"dataset": "code_run", "prediction": "The value is 14", "answers": [14]}             # InfiniteBench
 
+kvbench's generated tasks (``needle``, ``needle_retrieval_head``, ``needle_kvpress``, ``passkey``, ``2stageretr``)
+are scored by the task's own metric and aggregate (kvbench/tasks/rescoring.py); their records need no ``dataset``
+but ``context_length`` and ``depth`` (``dict_len`` for 2stageretr), top-level or in ``meta``:
+
+    {"prediction": "The pass key is 71432.", "answers": ["71432"], "context_length": 1000, "depth": 50}
+
 Accepted as well: a kvbench job's ``samples.jsonl`` as it is (``dataset``, ``all_classes``, ``length``, ``options``,
 ``label``, and LEval's ``part`` and ``question_index`` are read from each record's ``meta``), and the official
 InfiniteBench results files ``preds_<task>.jsonl`` (``pred``/``prediction`` with ``label``/``ground_truth``; name the
@@ -39,7 +45,13 @@ BENCHMARKS: dict[str, str] = {
     "ruler": "kvbench.tasks.ruler.scoring:score_records",
     "leval": "kvbench.tasks.leval.scoring:score_records",
     "zeroscrolls": "kvbench.tasks.zeroscrolls.scoring:score_records",
+    "needle": "kvbench.tasks.rescoring:needle",
+    "needle_retrieval_head": "kvbench.tasks.rescoring:needle_retrieval_head",
+    "needle_kvpress": "kvbench.tasks.rescoring:needle_kvpress",
+    "passkey": "kvbench.tasks.rescoring:passkey",
+    "2stageretr": "kvbench.tasks.rescoring:twostage_retr",
 }
+SINGLE_TASK = ("needle", "needle_retrieval_head", "needle_kvpress", "passkey", "2stageretr")  # no 'dataset' needed
 ALIASES = {"prediction": ("prediction", "pred"), "answers": ("answers", "ground_truth")}
 FROM_META = ("dataset", "all_classes", "length", "options", "label", "part", "question_index")
 
@@ -164,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.benchmark != "zeroscrolls":
                 raise UsageError("--rouge-aggregation applies to --benchmark zeroscrolls only")
             options["rouge_aggregation"] = args.rouge_aggregation
-        records = read_records(args.predictions, args.dataset)
+        default = args.dataset or (args.benchmark if args.benchmark in SINGLE_TASK else None)
+        records = read_records(args.predictions, default)
         try:
             scores = scorer(records, **options)
         except (KeyError, IndexError, TypeError, ValueError) as exc:  # scorers that do not raise DataError

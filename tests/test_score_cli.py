@@ -44,7 +44,8 @@ def _scores(capsys, path: Path, benchmark: str, *extra) -> dict:
 
 
 def test_benchmark_map_is_the_contract():
-    assert list(cli.BENCHMARKS) == ["longbench", "longbench_e", "infinitebench", "ruler", "leval", "zeroscrolls"]
+    assert list(cli.BENCHMARKS) == ["longbench", "longbench_e", "infinitebench", "ruler", "leval", "zeroscrolls",
+                                    "needle", "needle_retrieval_head", "needle_kvpress", "passkey", "2stageretr"]
     for name in ("infinitebench", "ruler", "leval", "zeroscrolls"):
         assert cli.BENCHMARKS[name] == f"kvbench.tasks.{name}.scoring:score_records"
 
@@ -248,3 +249,53 @@ def test_command_line_exit_code_and_no_traceback(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ}, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "line 2 is not JSON" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+# ---- kvbench's generated tasks: the task's own metric and aggregate ------------------------------------------------
+MINIATURE = ROOT / "results" / "cpu_miniature" / "runs" / "smollm2-135m"
+
+
+@pytest.mark.parametrize(("folder", "benchmark", "keys"), [("needle", "needle", ("score", "grid")),
+                                                          ("passkey", "passkey", ("score", "grid")),
+                                                          ("2stageretr", "2stageretr", ("score", "by_dict_len"))])
+def test_committed_smollm2_records_rescore_to_their_scores(capsys, folder, benchmark, keys):
+    """Every committed SmolLM2 job of the CPU miniature (real, varied predictions) scores again to its scores.json."""
+    jobs = sorted(p.parent for p in (MINIATURE / folder).glob("*/*/*/scores.json"))
+    assert jobs, f"no committed {folder} runs under {MINIATURE}"
+    for job in jobs:
+        expected = json.loads((job / "scores.json").read_text())
+        got = _scores(capsys, job / "samples.jsonl", benchmark)
+        for key in keys:
+            assert _json(got[key]) == _json(expected[key]), (job, key)
+        assert got["datasets"] == {benchmark: expected["score"]} and got["n"] == expected["n_samples"]
+
+
+@pytest.mark.parametrize("name", ["needle_retrieval_head", "needle_kvpress"])
+def test_needle_protocol_jobs_rescore_to_their_scores(tmp_path, monkeypatch, capsys, name):
+    job_scores, samples = _run_job(tmp_path, monkeypatch, [f"task={name}", "task.context_lengths=[300]",
+                                                           "task.n_depths=2", "task.max_new_tokens=8"])
+    capsys.readouterr()
+    got = _scores(capsys, samples, name)
+    assert _json(got["grid"]) == _json(job_scores["grid"]) and got["score"] == job_scores["score"]
+
+
+def test_generated_tasks_by_hand(tmp_path, capsys):
+    passkey = [{"prediction": "The pass key is 71432.", "answers": ["71432"], "context_length": 1000, "depth": 50},
+               {"prediction": "71433", "answers": ["71432"], "context_length": 1000, "depth": 0},
+               {"prediction": "It is 09006", "answers": ["09006"], "meta": {"context_length": 2000, "depth": 0}}]
+    out = _scores(capsys, _write(tmp_path / "p.jsonl", passkey), "passkey")
+    assert out["score"] == 66.67 and out["grid"] == {"1000": {"0": 0.0, "50": 100.0}, "2000": {"0": 100.0}}
+    # ROUGE-1 F x10: reference 4 unigrams, prediction 3 of them + 1 other -> P = R = 3/4 -> F = 0.75 -> 7.5
+    needle = [{"prediction": "eat a sandwich there", "answers": ["eat a sandwich today"], "context_length": 500,
+               "depth": 0}]
+    assert _scores(capsys, _write(tmp_path / "n.jsonl", needle), "needle")["score"] == 7.5
+    retr = [{"prediction": "Blue.", "answers": ["blue"], "dict_len": 40},
+            {"prediction": "red", "answers": ["green"], "dict_len": 60}]
+    out = _scores(capsys, _write(tmp_path / "r.jsonl", retr), "2stageretr")
+    assert out["score"] == 50.0 and out["by_dict_len"] == {"40": 100.0, "60": 0.0}
+
+
+def test_generated_tasks_need_their_cell_fields(tmp_path, capsys):
+    path = _write(tmp_path / "p.jsonl", [{"prediction": "71432", "answers": ["71432"], "context_length": 1000}])
+    code, _, err = _main(capsys, path, "--benchmark", "passkey")
+    assert code == 2 and err.count("\n") == 1 and "'depth'" in err and "context_length x depth" in err
