@@ -70,6 +70,8 @@ def test_markdown_and_file(tmp_path):
     text = path.read_text()
     assert "| P | a beats b |  | 64 | a 50.0 vs b 42.5 | 1/2 | **held** |" in text
     assert "|  |  |  | 128 |" in text and "Rows: held 2." in text
+    # the summary: % FullKV averaged over needle and passkey; POD's window16+48 is its 64-token column
+    assert "| method | 64 | 128 |" in text and "| a | 50.0 | 90.0 |" in text and "| pod | 82.5 |  |" in text
     assert text == claims_markdown(load_claims(tmp_path / "claims.yaml"), _runs())
     assert write_claims(tmp_path / "report", _runs(), tmp_path / "x") is None  # no claims.yaml: nothing
 

@@ -49,12 +49,22 @@ def _plt():
     return plt
 
 
-def colour(method_label: str) -> str:
-    plt = _plt()
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+def _index(method_label: str) -> int:
     name = method_label.split("[", 1)[0]
-    index = _ORDER.index(name) if name in _ORDER else len(_ORDER) + sum(map(ord, method_label))
-    return cycle[index % len(cycle)]
+    return _ORDER.index(name) if name in _ORDER else len(_ORDER) + sum(map(ord, method_label))
+
+
+def colour(method_label: str) -> str:
+    """A fixed colour per method (matplotlib's 20-colour qualitative map: every method of ``_ORDER`` its own)."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    return to_hex(colormaps["tab20"](_index(method_label) % 20))
+
+
+def marker(method_label: str) -> str:
+    """A fixed marker per method, so that lines stay apart in greyscale and where colours are close."""
+    return "osD^vP*Xph"[_index(method_label) % 10]
 
 
 def _layer_axis(ax) -> None:
@@ -125,10 +135,20 @@ def _sorted(group: pd.DataFrame) -> pd.DataFrame:
                         _b=group["budget"].map(budget_order)).sort_values(["_m", "method_label", "_b", "hash"])
 
 
-def _kind(budget: str) -> str | None:
+def _budget_value(budget: str) -> float | None:
+    """A budget label as a number: tokens or a ratio; POD's ``window<n_s>+<n_r>`` is its n_s + n_r tokens."""
+    match = re.fullmatch(r"window(\d+)\+(\d+)", str(budget))
+    if match:
+        return float(int(match[1]) + int(match[2]))
     try:
-        value = float(budget)
+        return float(budget)
     except ValueError:
+        return None
+
+
+def _kind(budget: str) -> str | None:
+    value = _budget_value(budget)
+    if value is None:
         return None
     return "ratio" if value < 1 else "tokens"
 
@@ -142,11 +162,12 @@ def budget_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
             part = group[group["budget"].map(_kind) == kind]
             if part["budget"].nunique() < 2:
                 continue
-            fig, ax = plt.subplots(figsize=(5, 3.4))
-            for label, lines in part.groupby("method_label", sort=True):
-                lines = lines.assign(_x=lines["budget"].astype(float)).sort_values(["_x", "hash"])
+            fig, ax = plt.subplots(figsize=(6.4, 3.4))
+            part = part.assign(_curve=part["method_label"].map(_curve_label))
+            for label, lines in part.groupby("_curve", sort=True):
+                lines = lines.assign(_x=lines["budget"].map(_budget_value)).sort_values(["_x", "hash"])
                 lines = lines.drop_duplicates("_x")
-                ax.plot(lines["_x"], lines["score"], marker="o", label=label, color=colour(label))
+                ax.plot(lines["_x"], lines["score"], marker=marker(label), label=_short(label), color=colour(label))
             if not full.empty:
                 ax.axhline(float(full["score"].iloc[0]), ls="--", color=colour("fullkv"), label="fullkv")
             if kind == "tokens":
@@ -156,11 +177,29 @@ def budget_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
                 ax.set_xlabel("KV budget (fraction of the prompt)")
             ax.set_ylabel(str(group["metric"].iloc[0]))
             ax.set_title(f"{task}{f' ({protocol})' if protocol else ''}: {model}")
-            ax.legend(fontsize=7, frameon=False)
+            ax.legend(fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5))
             ax.grid(alpha=0.3)
             fig.tight_layout()
             paths += save(fig, out, slug("budget", model, task, protocol, kind))
     return paths
+
+
+def _curve_label(label: str) -> str:
+    """The line a run belongs to on a score-vs-budget plot: POD's window (n_r) is its budget, not a setting."""
+    if not label.startswith("POD-TF[") or "n_r=" not in label:
+        return label
+    name, _, rest = label.partition("[")
+    kept = [kv for kv in rest.rstrip("]").split(",") if not kv.startswith("n_r=")]
+    return f"{name}[{','.join(kept)}]" if kept else name
+
+
+def _short(label: str) -> str:
+    """A legend label without long hyperparameter values (file paths, hashes): ``POD-TF[n_r=48]``."""
+    if "[" not in label:
+        return label
+    name, _, rest = label.partition("[")
+    kept = [kv for kv in rest.rstrip("]").split(",") if len(kv) <= 24 and "/" not in kv and "#" not in kv]
+    return f"{name}[{','.join(kept)}]" if kept else name
 
 
 def _mean_lists(lists: Iterable[list[float]]) -> list[float]:
