@@ -93,6 +93,40 @@ def column_sums(
     return total.view(b, hq, n)
 
 
+def attention_and_column_sums(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    chunk: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal prompt attention and H2O's column sums from one pass over query chunks (no padding).
+
+    The same probabilities ``A = softmax(q k^T * scaling)`` (causal) give the layer's attention output ``A v`` and
+    ``column_sums``'s ``s[j] = sum_i A[i, j]``, so methods that need the column sums compute attention once instead of
+    the backend's attention plus a second pass (``Method.prefill_attend``). Float32 inside, memory ``O(chunk * n)`` per
+    head. Returns the output ``(B, n, Hq, D)`` in ``values.dtype`` (the backend's layout) and the sums ``(B, Hq, n)``
+    float32.
+    """
+    b, hq, n, d = queries.shape
+    num_kv = keys.shape[1]
+    g = hq // num_kv
+    total = torch.zeros(b, num_kv, g, n, dtype=torch.float32, device=keys.device)
+    out = torch.empty(b, num_kv, g, n, d, dtype=torch.float32, device=keys.device)
+    qg = grouped(queries, num_kv).float() * scaling  # the scale folded into the queries: one pass less
+    k32, v32 = keys.float(), values.float()
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[..., start:stop, :], k32[:, :, :stop])
+        q_idx = torch.arange(start, stop, device=keys.device).view(-1, 1)
+        k_idx = torch.arange(start, stop, device=keys.device).view(1, -1)
+        logits[..., start:stop].masked_fill_(k_idx > q_idx, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        total[..., :stop] += probs.sum(-2)
+        out[..., start:stop, :] = torch.einsum("bhgqk,bhkd->bhgqd", probs, v32[:, :, :stop])
+    return out.view(b, hq, n, d).transpose(1, 2).to(values.dtype), total.view(b, hq, n)
+
+
 def pool1d(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
     """SnapKV's clustering: 1-D pooling over positions, stride 1, padding kernel//2 (same length)."""
     if kernel <= 1:

@@ -71,6 +71,10 @@ class CompressionSession:
         self._inv_freq = self._rope_inv_freq() if position_mode == "compact" else None
         #: RoPE frequencies for methods that re-rotate keys (LM-Infinite's distance ceiling); None if not rotatable
         self.rope_inv_freq = self._inv_freq if self._inv_freq is not None else self._rope_inv_freq(strict=False)
+        #: prompts up to this many tokens get plain causal attention (sliding windows, soft-capping: 0 = never)
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) is not False else None
+        capped = getattr(cfg, "attn_logit_softcapping", None) is not None
+        self._plain_causal_upto = 0 if capped else (int(window) if window else 1 << 62)
 
     # ---- context management ----------------------------------------------------------------------------------
     def __enter__(self) -> CompressionSession:
@@ -163,6 +167,7 @@ class CompressionSession:
             layer_idx=module.layer_idx, num_layers=self.num_layers, num_heads=self.num_heads,
             num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
             prompt_lens=prompt_lens, capacity=capacity, rope_inv_freq=self.rope_inv_freq,
+            plain_causal=n <= self._plain_causal_upto,
         )
         out = None if self.budget.is_full else self.method.prefill_attend(layer, ctx)  # Λ-masks (LM-Infinite, CaM)
         if out is None:

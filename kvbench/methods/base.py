@@ -59,6 +59,11 @@ class PrefillContext:
     capacity: torch.Tensor
     #: ``(D/2,)`` RoPE inverse frequencies when keys can be re-rotated (``engine.session.rotate_keys``), else None
     rope_inv_freq: torch.Tensor | None = None
+    #: True when the model's prompt attention is plain causal softmax attention (no sliding window reaching into the
+    #: prompt, no logit soft-capping), so a method may compute it itself (``attend_with_column_sums``)
+    plain_causal: bool = False
+    #: ``(B, Hq, n)`` column sums of the prompt attention, when ``prefill_attend`` computed them with the output
+    column_sums: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -205,6 +210,27 @@ def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor) -> None:
     chosen = torch.gather(scores, -1, index)
     keep_valid = keep_valid & (chosen > float("-inf"))
     layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
+
+
+def attend_with_column_sums(layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+    """``prefill_attend`` of methods that score tokens by H2O's column sums: one chunked attention pass gives the
+    layer's output and the sums (kept in ``ctx.column_sums``) instead of the backend's attention plus a second pass
+    (issue #7's prefill overhead). Only for unpadded batches of plain causal attention; else None (the backend)."""
+    from kvbench.engine.scores import attention_and_column_sums
+
+    if ctx.key_valid is not None or not ctx.plain_causal or layer.keys.shape[1] != ctx.num_kv_heads:
+        return None
+    out, ctx.column_sums = attention_and_column_sums(ctx.queries, layer.keys, layer.values, ctx.scaling)
+    return out
+
+
+def prompt_column_sums(layer: KVLayer, ctx: PrefillContext, chunk: int) -> torch.Tensor:
+    """``(B, Hq, n)`` column sums of the prompt attention: those ``attend_with_column_sums`` kept, else computed."""
+    from kvbench.engine.scores import column_sums
+
+    if ctx.column_sums is not None:
+        return ctx.column_sums
+    return column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=chunk)
 
 
 def real_rank(layer: KVLayer) -> torch.Tensor:

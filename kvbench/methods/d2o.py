@@ -11,9 +11,18 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.engine.scores import aggregate_group, column_sums
+from kvbench.engine.scores import aggregate_group
 from kvbench.errors import ConfigError
-from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive, real_rank
+from kvbench.methods.base import (
+    DecodeContext,
+    Method,
+    PrefillContext,
+    attend_with_column_sums,
+    check_choice,
+    check_positive,
+    prompt_column_sums,
+    real_rank,
+)
 from kvbench.methods.d2o_ops import (
     ALLOCATIONS,
     VARIANCE_NORMS,
@@ -135,8 +144,11 @@ class D2O(Method):
         return plan
 
     # ---- engine hooks --------------------------------------------------------------------------------------------
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        return attend_with_column_sums(layer, ctx)  # the prompt's attention and its column sums in one pass
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        sums = column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=self.chunk)  # (B, Hq, n)
+        sums = prompt_column_sums(layer, ctx, self.chunk)  # (B, Hq, n)
         layer.state["acc"] = aggregate_group(sums, ctx.num_kv_heads, self.group_agg)
         density = official_density if self.variant == "official_code" else layer_density
         self._density[ctx.layer_idx] = density(sums, ctx.key_valid)

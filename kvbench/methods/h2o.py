@@ -11,14 +11,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.engine.scores import aggregate_group, column_sums
+from kvbench.engine.scores import aggregate_group
 from kvbench.methods.base import (
     DecodeContext,
     Method,
     PrefillContext,
+    attend_with_column_sums,
     check_choice,
     check_positive,
     keep_top,
+    prompt_column_sums,
     real_rank,
 )
 
@@ -45,7 +47,8 @@ class H2O(Method):
     all prompt queries, keep the top ``budget - window`` plus the last ``window`` (32) tokens, no decode eviction.
 
     GQA: per-query-head scores are averaged over each KV group (``group_agg="mean"`` as KVMerger's H2O; OmniKV's
-    port uses ``max``). Column sums are computed in query chunks (``chunk``), never as an n x n matrix.
+    port uses ``max``). Column sums are computed in query chunks, never as an n x n matrix: together with the layer's
+    attention output when the prompt is unpadded (``attend_with_column_sums``), else in ``chunk``-query passes.
     """
 
     name: ClassVar[str] = "h2o"
@@ -85,8 +88,11 @@ class H2O(Method):
         recent = (rank >= layer.valid_counts().unsqueeze(-1) - self._recent(capacity).view(-1, 1, 1)) & (rank >= 0)
         return acc.masked_fill(recent, float("inf"))
 
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        return attend_with_column_sums(layer, ctx)  # the prompt's attention and its column sums in one pass
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        sums = column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=self.chunk)  # (B, Hq, n)
+        sums = prompt_column_sums(layer, ctx, self.chunk)  # (B, Hq, n)
         acc = aggregate_group(sums, ctx.num_kv_heads, self.group_agg)
         if self.variant == "paper":
             layer.state["acc"] = acc

@@ -15,9 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.budget import Budget
-from kvbench.engine.scores import aggregate_group, column_sums
+from kvbench.engine.scores import aggregate_group
 from kvbench.errors import ConfigError
-from kvbench.methods.base import Method, PrefillContext, check_choice, check_positive
+from kvbench.methods.base import (
+    Method,
+    PrefillContext,
+    attend_with_column_sums,
+    check_choice,
+    check_positive,
+    prompt_column_sums,
+)
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -228,6 +235,11 @@ class KVMerger(Method):
                 hi = mid
         return best, lo
 
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+            return None  # nothing to merge: no column sums needed
+        return attend_with_column_sums(layer, ctx)  # the prompt's attention and its column sums in one pass
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if ctx.layer_idx == 0:
             self.last_ratios, self.last_thetas = [], []
@@ -235,8 +247,7 @@ class KVMerger(Method):
             self.last_ratios.append(1.0)
             return
         b, h, n, _ = layer.keys.shape
-        a = aggregate_group(column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=self.chunk),
-                            ctx.num_kv_heads, self.group_agg)  # (B, H, n)
+        a = aggregate_group(prompt_column_sums(layer, ctx, self.chunk), ctx.num_kv_heads, self.group_agg)  # (B, H, n)
         enforce = self.enforcing()
         kn_all = F.normalize(layer.keys.float(), dim=-1).double().cpu().numpy()
         protect_of, sets_of, ratios, thetas = {}, {}, [], []

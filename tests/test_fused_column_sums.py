@@ -1,0 +1,80 @@
+"""Issue #7: methods scored by H2O's column sums (H2O, D2O, KVMerger) compute the prompt attention and the sums in
+one pass (``attend_with_column_sums``). The output equals the backend's attention, the sums equal ``column_sums``,
+and a whole generation is unchanged; sliding-window and padded prompts fall back to the backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvbench.budget import Budget
+from kvbench.engine import CompressionSession, greedy_generate
+from kvbench.engine.scores import attention_and_column_sums, column_sums
+from kvbench.methods import base, build_method
+
+
+def test_output_and_sums_equal_sdpa_and_column_sums():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 300, 16), torch.randn(2, 3, 300, 16), torch.randn(2, 3, 300, 16)
+    out, sums = attention_and_column_sums(q, k, v, 0.25, chunk=64)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              is_causal=True, scale=0.25)
+    assert out.shape == (2, 300, 6, 16)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums, column_sums(q, k, 0.25, None, chunk=512), rtol=1e-5, atol=1e-5)
+    # by hand for one head: the column sums of the causal softmax matrix
+    logits = (q[0, 0] @ k[0, 0].T) * 0.25
+    logits = logits.masked_fill(torch.triu(torch.ones(300, 300, dtype=torch.bool), 1), float("-inf"))
+    torch.testing.assert_close(sums[0, 0], torch.softmax(logits, -1).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def _generate(model, method_cfg, budget, ids, monkeypatch=None, fused=True):
+    calls = []
+    real = base.attend_with_column_sums
+
+    def spy(layer, ctx):
+        out = real(layer, ctx) if fused else None
+        calls.append(out is not None)
+        return out
+
+    if monkeypatch is not None:
+        for module in ("h2o", "d2o", "kvmerger"):
+            monkeypatch.setattr(f"kvbench.methods.{module}.attend_with_column_sums", spy)
+    with CompressionSession(model, build_method(method_cfg, Budget.parse(budget)), Budget.parse(budget)) as session:
+        out = greedy_generate(model, ids, 12, [2], 0)
+    return out.tokens, session, calls
+
+
+@pytest.mark.parametrize("method", [{"name": "h2o"}, {"name": "d2o"}, {"name": "kvmerger"}])
+def test_generation_is_unchanged_by_the_fused_pass(toy_llama, monkeypatch, method):
+    torch.manual_seed(1)
+    ids = [torch.randint(3, 256, (200,)).tolist()]
+    fused, _, used = _generate(toy_llama, method, 48, ids, monkeypatch, fused=True)
+    assert used and all(used)  # every layer took the fused pass
+    monkeypatch.undo()
+    plain, _, skipped = _generate(toy_llama, method, 48, ids, monkeypatch, fused=False)
+    assert not any(skipped)
+    assert fused == plain
+
+
+def test_sliding_window_and_padding_fall_back_to_the_backend(toy_llama, monkeypatch):
+    torch.manual_seed(2)
+    ids = [torch.randint(3, 256, (120,)).tolist()]
+    seen = []
+    real = base.attend_with_column_sums
+    monkeypatch.setattr("kvbench.methods.h2o.attend_with_column_sums",
+                        lambda layer, ctx: seen.append(ctx.plain_causal) or real(layer, ctx))
+    toy_llama.config.sliding_window = 64  # shorter than the prompt: the model's own mask must be used
+    try:
+        with CompressionSession(toy_llama, build_method({"name": "h2o"}, Budget.parse(32)), Budget.parse(32)):
+            greedy_generate(toy_llama, ids, 2, [2], 0)
+    finally:
+        toy_llama.config.sliding_window = None
+    assert seen and not any(seen)
+    cache_ctx = []
+    monkeypatch.setattr("kvbench.methods.h2o.attend_with_column_sums",
+                        lambda layer, ctx: cache_ctx.append(real(layer, ctx)) or cache_ctx[-1])
+    with CompressionSession(toy_llama, build_method({"name": "h2o"}, Budget.parse(32)), Budget.parse(32)):
+        greedy_generate(toy_llama, [ids[0], ids[0][:90]], 2, [2], 0)  # left padding: the backend attends
+    assert cache_ctx and all(out is None for out in cache_ctx)
