@@ -85,3 +85,19 @@ def test_largest_fitting_search(limit):
 
     assert largest_fitting(fits, upper=64) == min(limit, 64)
     assert len(calls) <= 16
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "bench").glob("*.yaml")))
+def test_every_bench_config_expands(tmp_path, name):
+    """Each paper bench composes and expands to cells with known methods (nothing is measured)."""
+    from kvbench.methods import METHODS
+
+    cfg = _cfg(tmp_path, f"bench={name}")
+    cells = expand(cfg.bench)
+    assert cells and all(c["method"] in METHODS.names() for c in cells)
+    if name == "d2o_table12":  # 256+512 ... 2048+4096: generation twice the prompt
+        assert [(c["context_length"], c["new_tokens"]) for c in cells] == [(256, 512), (512, 1024), (1024, 2048),
+                                                                            (2048, 4096)]
+    if name == "d2o_table13":
+        assert {(c["method"], c["context_length"]) for c in cells} == {(m, n) for m in ("h2o", "d2o")
+                                                                        for n in (512, 2048)}

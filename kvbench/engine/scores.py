@@ -98,7 +98,7 @@ def attention_and_column_sums(
     keys: torch.Tensor,
     values: torch.Tensor,
     scaling: float,
-    chunk: int = 128,
+    chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal prompt attention and H2O's column sums from one pass over query chunks (no padding).
 
@@ -106,7 +106,9 @@ def attention_and_column_sums(
     ``column_sums``'s ``s[j] = sum_i A[i, j]``, so methods that need the column sums compute attention once instead of
     the backend's attention plus a second pass (``Method.prefill_attend``). Float32 inside, memory ``O(chunk * n)`` per
     head. Returns the output ``(B, n, Hq, D)`` in ``values.dtype`` (the backend's layout) and the sums ``(B, Hq, n)``
-    float32.
+    float32. Chunks of 64 queries keep a chunk's logits in cache: on SmolLM2's shapes at 4k tokens (2 CPU threads)
+    one layer takes 186-199 ms vs 97 ms for sdpa alone plus 328 ms for a separate ``column_sums`` pass (chunk 512);
+    chunk 128: 224 ms, 512: 373 ms.
     """
     b, hq, n, d = queries.shape
     num_kv = keys.shape[1]
