@@ -8,15 +8,7 @@ beside its bound).
 
 from __future__ import annotations
 
-import os
 import sys
-
-
-def _fixed_mmap_threshold() -> None:
-    """Re-exec once with glibc's mmap threshold fixed, so freed tensors leave the RSS (honest CPU peak memory)."""
-    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
-        os.execv(sys.executable, [sys.executable, "-m", "kvbench.bench", *sys.argv[1:]])
 
 
 def main() -> None:
@@ -35,7 +27,6 @@ def main() -> None:
     except KVBenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    _fixed_mmap_threshold()
     import hydra
 
     from kvbench.bench.run import run_bench
