@@ -71,6 +71,7 @@ class PeakMemory:
             self._before = torch.cuda.memory_allocated(self.device)
         elif self.supported(self.device):
             _mmap_threshold(_SMALL_MMAP)  # inside the block, freed tensors leave the RSS at once
+            _malloc_trim()  # and heap memory freed before the block leaves it too (else reuse hides the peak)
             _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
             self._before = _status_kb("VmRSS") * 1024
         return self
@@ -86,6 +87,16 @@ class PeakMemory:
 
 _SMALL_MMAP = 128 * 1024  # glibc's initial threshold: every tensor above it is its own mapping
 _STEADY_MMAP = 32 * 1024 * 1024  # where glibc's dynamic threshold settles on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+
+
+def _malloc_trim() -> None:
+    """glibc ``malloc_trim(0)``: return free heap memory to the OS (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return
 
 
 def _mmap_threshold(size: int) -> None:
