@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from kvbench.bench.measure import PeakMemory, largest_fitting
-from kvbench.bench.run import _run, expand, judge
+from kvbench.bench.run import _run, expand, judge, targets_markdown
 from kvbench.config import CONF_DIR
 from kvbench.errors import ConfigError
 
@@ -52,6 +52,30 @@ def test_judge_ratios_against_fullkv():
     assert [(v["method"], v["ratio"], v["ok"]) for v in out] == [("snapkv", 1.1, True), ("h2o", 1.45, True)]
     targets[0]["max_ratio"] = 1.05
     assert [v["ok"] for v in judge(rows, targets, None)] == [False, False]
+
+
+def test_paired_prefill_ratio_wins_over_separate_cells():
+    """A paired cell's own FullKV timings judge it (drift between cells would read 2.2 / 2.0 = 1.1 here)."""
+    rows = [{"method": "fullkv", "budget": "full", "context_length": 8, "batch_size": 1, "prefill_seconds": 2.0},
+            {"method": "snapkv", "budget": "4", "context_length": 8, "batch_size": 1, "prefill_seconds": 2.2,
+             "prefill_baseline_seconds": 2.15, "prefill_ratio_paired": 1.02}]
+    targets = [{"name": "t", "metric": "prefill_seconds", "context_length": 8, "methods": ["snapkv"],
+                "max_ratio": 1.05}]
+    [verdict] = judge(rows, targets, None)
+    assert (verdict["ratio"], verdict["fullkv"], verdict["ok"], verdict["paired"]) == (1.02, 2.15, True, True)
+    assert "1.02 (paired)" in targets_markdown([verdict])
+
+
+def test_paired_cells_alternate_with_fullkv(tmp_path):
+    rows = _run(_cfg(tmp_path, "bench.grids.0.metrics=[prefill]", "+bench.grids.0.paired=true",
+                     "+bench.grids.0.repeats=3", "bench.grids.0.batch_sizes=[1]", "bench.targets=[]"))
+    by_method = {r["method"]: r for r in rows}
+    assert by_method["fullkv"]["prefill_ratio_paired"] is None  # the baseline itself is not paired
+    for name in ("snapkv", "h2o"):
+        row = by_method[name]
+        assert len(row["prefill_seconds_all"]) == len(row["prefill_baseline_seconds_all"]) == 3
+        ratios = sorted(m / b for m, b in zip(row["prefill_seconds_all"], row["prefill_baseline_seconds_all"]))
+        assert row["prefill_ratio_paired"] == pytest.approx(ratios[1], rel=1e-4)
 
 
 def test_bad_bench_configs(tmp_path):

@@ -5,8 +5,9 @@ so a method's bookkeeping is inside the numbers. Times are medians over ``repeat
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
 before (so the weights are not counted); on Linux CPUs the process's peak RSS (``VmHWM``, reset through
-``/proc/self/clear_refs``) minus the RSS before. ``python -m kvbench.bench`` runs with glibc's mmap threshold fixed
-at 128 KiB so freed tensors leave the RSS at once and each cell's peak is its own.
+``/proc/self/clear_refs``) minus the RSS before; inside that block glibc's mmap threshold is 128 KiB and the heap is
+trimmed first, so freed tensors leave the RSS at once and the cell's peak is its own (timings run outside it, with
+glibc's steady allocator). Prefill ratios to FullKV can be timed in pairs (``baseline``, a grid's ``paired: true``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class CellResult:
     decode_tokens_per_s: float | None = None  # batch rows x steps / decode seconds
     decode_steps: int | None = None
     resident_kv_bytes_final: int | None = None
+    prefill_baseline_seconds: float | None = None  # paired cells: the baseline's median, timed alternately
+    prefill_baseline_seconds_all: list[float] | None = None
+    prefill_ratio_paired: float | None = None  # median of (method / baseline) over the pairs
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,6 +141,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _sig(seconds: float) -> float:
+    """Six significant digits (a tiny model's millisecond timings keep their precision in the store)."""
+    return float(f"{seconds:.6g}")
+
+
 @torch.inference_mode()
 def _prefill(model, method: Method, budget: Budget, ids: torch.Tensor) -> tuple[float, int]:
     cache = KVCache()
@@ -150,8 +159,14 @@ def _prefill(model, method: Method, budget: Budget, ids: torch.Tensor) -> tuple[
 
 
 def measure_cell(loaded, method: Method, budget: Budget, context_length: int, batch_size: int,
-                 metrics: list[str], new_tokens: int = 32, warmup: int = 1, repeats: int = 3) -> CellResult:
-    """Measure ``metrics`` (any of ``prefill``, ``memory``, ``decode``) for one cell."""
+                 metrics: list[str], new_tokens: int = 32, warmup: int = 1, repeats: int = 3,
+                 baseline: tuple[Method, Budget] | None = None) -> CellResult:
+    """Measure ``metrics`` (any of ``prefill``, ``memory``, ``decode``) for one cell.
+
+    With ``baseline`` (FullKV's method and budget) the prefill is timed in pairs with the baseline's, alternating
+    which runs first: ``prefill_ratio_paired`` is the median of the per-pair ratios. On a busy or thermally drifting
+    machine this resolves a few percent where two separately timed cells cannot (SmolLM2's FullKV prefill at 4k on 2
+    CPU threads spreads 5.5-6.8 s between runs)."""
     _mmap_threshold(_STEADY_MMAP)  # timings with the allocator's steady state, whatever ran before
     model = loaded.model
     prompts = prompts_for(loaded.tokenizer, context_length, batch_size)
@@ -161,13 +176,30 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         with PeakMemory(model.device) as peak:
             _, resident = _prefill(model, method, budget, ids)
         result.prefill_peak_bytes, result.resident_kv_bytes = peak.bytes, resident
-    if "prefill" in metrics:
+    if "prefill" in metrics and baseline is None:
         for _ in range(warmup):
             _prefill(model, method, budget, ids)
         runs = [_prefill(model, method, budget, ids) for _ in range(repeats)]
-        result.prefill_seconds_all = [round(s, 5) for s, _ in runs]
+        result.prefill_seconds_all = [_sig(s) for s, _ in runs]
         result.prefill_seconds = statistics.median(s for s, _ in runs)
         result.resident_kv_bytes = runs[-1][1]
+    elif "prefill" in metrics:  # paired: the baseline and the method alternate, so drift hits both alike
+        for _ in range(warmup):
+            _prefill(model, *baseline, ids)
+            _prefill(model, method, budget, ids)
+        runs, base = [], []
+        for i in range(repeats):  # B M, M B, B M, ...: neither always runs first
+            if i % 2 == 0:
+                base.append(_prefill(model, *baseline, ids)[0])
+            runs.append(_prefill(model, method, budget, ids))
+            if i % 2 == 1:
+                base.append(_prefill(model, *baseline, ids)[0])
+        result.prefill_seconds_all = [_sig(s) for s, _ in runs]
+        result.prefill_seconds = statistics.median(s for s, _ in runs)
+        result.resident_kv_bytes = runs[-1][1]
+        result.prefill_baseline_seconds_all = [_sig(s) for s in base]
+        result.prefill_baseline_seconds = statistics.median(base)
+        result.prefill_ratio_paired = round(statistics.median(m / b for (m, _), b in zip(runs, base)), 4)
     if "decode" in metrics:
         outs = []
         for i in range(warmup + repeats):

@@ -60,9 +60,9 @@ def merging_sets(kn: np.ndarray, start: int, stop: int, theta: float, limit: int
     ``cos(k_i, k_anchor) > theta`` (the anchor is the set's newest token, not i's neighbour); otherwise emit the set
     and start a new one at i. The final set is emitted too. ``kn``: ``(n, D)`` unit keys. Returns inclusive
     ``(lo, hi)`` intervals, newest first; stops early once more than ``limit`` sets exist."""
-    sets, j = [], stop - 1
+    sets, j, guess = [], stop - 1, 256
     while j >= start:
-        lo, i, block = start, j - 1, 8
+        lo, i, block = start, j - 1, guess
         while i >= start:  # galloping scan down for the first token not similar to the anchor j
             a = max(start, i - block + 1)
             bad = np.nonzero(kn[a : i + 1] @ kn[j] <= theta)[0]
@@ -73,6 +73,7 @@ def merging_sets(kn: np.ndarray, start: int, stop: int, theta: float, limit: int
         if i < start:
             lo = start
         sets.append((lo, j))
+        guess = max(8, 2 * (j - lo + 1))  # the next set is likely about as long: one matrix-vector product
         if limit is not None and len(sets) > limit:
             return sets
         j = lo - 1
