@@ -38,6 +38,8 @@ def test_smoke_bench_measures_stores_resumes_and_judges(tmp_path):
     verdicts = json.loads((store / "targets.json").read_text())["targets"]
     assert all(v["ok"] for v in verdicts if v["metric"] == "resident_kv_bytes")
     assert "| resident KV = the budget's bytes | snapkv@64 | 1 |" in (store / "targets.md").read_text()
+    assert (store / "targets.png").exists()  # the decode-ratio target's panel
+    assert all(r["memory_probe"] == "fresh process" and r["prefill_peak_bytes"] > 0 for r in rows)  # CPU peaks
     assert _run(_cfg(tmp_path)) == rows  # resumed: nothing measured again
     assert len((store / "cells.jsonl").read_text().splitlines()) == 6
 
@@ -76,6 +78,48 @@ def test_paired_cells_alternate_with_fullkv(tmp_path):
         assert len(row["prefill_seconds_all"]) == len(row["prefill_baseline_seconds_all"]) == 3
         ratios = sorted(m / b for m, b in zip(row["prefill_seconds_all"], row["prefill_baseline_seconds_all"]))
         assert row["prefill_ratio_paired"] == pytest.approx(ratios[1], rel=1e-4)
+
+
+def test_plots_follow_the_cells(tmp_path):
+    """targets.png from the ratio targets (a miss hatched); curves only for metrics measured at >= 2 lengths."""
+    pytest.importorskip("matplotlib")
+    from kvbench.bench.plots import plot_bench
+
+    rows = [{"method": m, "budget": b, "context_length": n, "batch_size": 1, "prefill_seconds": t * n / 1000,
+             "decode_ms_per_token": None, "max_batch": mb, "memory_limit_gb": 80}
+            for m, b, t, mb in (("fullkv", "full", 1.0, 4), ("snapkv", "64", 1.02, 9)) for n in (1024, 2048)]
+    verdicts = judge(rows, [{"name": "prefill", "metric": "prefill_seconds", "context_length": 2048,
+                             "methods": ["snapkv"], "max_ratio": 1.01}], None)
+    assert verdicts[0]["ok"] is False
+    paths = plot_bench(rows, verdicts, tmp_path, "test")
+    assert sorted(p.name for p in paths) == sorted(f"{n}.{e}" for n in ("targets", "prefill_seconds_vs_context",
+                                                                      "max_batch") for e in ("png", "pdf"))
+    assert all(p.stat().st_size > 1000 for p in paths)
+    again = tmp_path / "again"
+    plot_bench(rows, verdicts, again, "test")
+    assert (again / "targets.png").read_bytes() == (tmp_path / "targets.png").read_bytes()  # deterministic
+
+
+def test_memory_probe_runs_in_a_fresh_process_and_fails_loudly(tmp_path):
+    from kvbench.bench.probe import probe_in_subprocess, request
+    from kvbench.errors import KVBenchError
+    from kvbench.models import spec_from_config
+
+    spec = spec_from_config(_cfg(tmp_path).model)
+    got = probe_in_subprocess(request(spec, {"name": "snapkv"}, "64", 256, 1))
+    assert got["resident_kv_bytes"] == 64 * 4 * 2 * 2 * 16 * 4 and got["peak_bytes"] > 0
+    gen = probe_in_subprocess(request(spec, {"name": "snapkv"}, "64", 256, 2, "generate", new_tokens=2))
+    assert gen["resident_kv_bytes"] == 2 * got["resident_kv_bytes"]
+    with pytest.raises(KVBenchError, match=r"memory probe for snapkv@64, 256 tokens x 1 failed \(exit 2\)"):
+        probe_in_subprocess(request(spec, {"name": "snapkv", "window": -3}, "64", 256, 1))
+
+
+def test_max_batch_with_an_external_probe():
+    from kvbench.bench.measure import max_batch
+
+    peaks = []
+    assert max_batch(None, None, None, 256, 100, probe=lambda b: peaks.append(b) or 30 * b) == 3
+    assert peaks[:3] == [1, 2, 4]
 
 
 def test_bad_bench_configs(tmp_path):

@@ -6,8 +6,10 @@ so a method's bookkeeping is inside the numbers. Times are medians over ``repeat
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was allocated
 before (so the weights are not counted); on Linux CPUs the process's peak RSS (``VmHWM``, reset through
 ``/proc/self/clear_refs``) minus the RSS before; inside that block glibc's mmap threshold is 128 KiB and the heap is
-trimmed first, so freed tensors leave the RSS at once and the cell's peak is its own (timings run outside it, with
-glibc's steady allocator). Prefill ratios to FullKV can be timed in pairs (``baseline``, a grid's ``paired: true``).
+trimmed first, so freed tensors leave the RSS at once (timings run outside it, with glibc's steady allocator). Even so
+a process that ran earlier cells reuses their pages and under-reads a later peak, so the bench takes CPU peaks in a
+fresh process per measurement (``kvbench.bench.probe``). Prefill ratios to FullKV can be timed in pairs
+(``baseline``, a grid's ``paired: true``).
 """
 
 from __future__ import annotations
@@ -220,13 +222,18 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
 
 
 def max_batch(loaded, method: Method, budget: Budget, context_length: int, limit_bytes: int, new_tokens: int = 8,
-              upper: int = 1024) -> int:
+              upper: int = 1024, probe=None) -> int:
     """The largest batch whose prefill + decode peak stays within ``limit_bytes`` (doubling, then bisection).
 
     On CUDA an out-of-memory error also counts as "does not fit". Returns 0 when even batch 1 does not fit.
+    ``probe(batch)``, when given, returns the peak bytes of a generation at that batch measured elsewhere (the bench
+    passes a fresh process per probe on CPUs, see ``kvbench.bench.probe``).
     """
 
     def fits(batch: int) -> bool:
+        if probe is not None:
+            peak = probe(batch)
+            return peak is not None and peak <= limit_bytes
         prompts = prompts_for(loaded.tokenizer, context_length, batch)
         try:
             with PeakMemory(loaded.model.device) as peak, CompressionSession(loaded.model, method, budget):

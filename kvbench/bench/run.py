@@ -88,6 +88,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     import torch
 
     from kvbench.bench.measure import max_batch, measure_cell
+    from kvbench.bench.probe import probe_in_subprocess, request
     from kvbench.methods import build_method
     from kvbench.models import load_model, spec_from_config
 
@@ -111,6 +112,8 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     rows = [] if cfg.rerun or not store.exists() else [json.loads(x) for x in store.read_text().splitlines() if x]
     done = {_cell_key(r) for r in rows}
     context = {"model": spec.name, "device": device, "dtype": spec.dtype, "threads": torch.get_num_threads()}
+    # CPU peaks are RSS high-water marks: a fresh process per measurement (kvbench.bench.probe), never this one's
+    isolate = device.startswith("cpu")
     with store.open("w" if cfg.rerun else "a") as f:
         for cell in cells:
             method = methods.get((cell["method"], cell["budget"].label()))
@@ -122,14 +125,27 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
                 continue
             log.info("measuring %s@%s, %d tokens, batch %d", row["method"], row["budget"], row["context_length"],
                      row["batch_size"])
+            metrics = [m for m in cell["metrics"] if not (isolate and m == "memory")]
             result = measure_cell(loaded, method, cell["budget"], cell["context_length"], cell["batch_size"],
-                                  cell["metrics"], cell["new_tokens"], bench.warmup, cell["repeats"],
+                                  metrics, cell["new_tokens"], bench.warmup, cell["repeats"],
                                   baseline=fullkv if cell["paired"] else None)
             row.update(result.as_dict())
+            method_cfg = method_config(cell["method"], cell["overrides"])
+            if isolate and "memory" in cell["metrics"]:
+                got = probe_in_subprocess(request(spec, method_cfg, row["budget"], cell["context_length"],
+                                                  cell["batch_size"], "prefill", seed=cfg.seed))
+                row["prefill_peak_bytes"] = got["peak_bytes"]
+                row["resident_kv_bytes"] = row.get("resident_kv_bytes") or got["resident_kv_bytes"]
+                row["memory_probe"] = "fresh process"
             if "max_batch" in cell["metrics"]:
                 limit = int(cell["memory_limit_gb"] * 2**30)
+                probe = None
+                if isolate:
+                    def probe(batch, cell=cell, method_cfg=method_cfg, label=row["budget"]):
+                        return probe_in_subprocess(request(spec, method_cfg, label, cell["context_length"], batch,
+                                                           "generate", cell["new_tokens"], cfg.seed))["peak_bytes"]
                 row["max_batch"] = max_batch(loaded, method, cell["budget"], cell["context_length"], limit,
-                                             cell["new_tokens"])
+                                             cell["new_tokens"], probe=probe)
                 row["memory_limit_gb"] = cell["memory_limit_gb"]
             row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
             f.write(json.dumps(row) + "\n")
@@ -143,6 +159,10 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
                                                       "targets": verdicts}, indent=1) + "\n")
     table = targets_markdown(verdicts)
     (out_dir / "targets.md").write_text(table + "\n")
+    from kvbench.bench.plots import plot_bench
+
+    plot_bench(rows, verdicts, out_dir, f"{spec.name} on {device.split(':')[0]} ({context['threads']} threads), "
+               f"bench {bench.name}")
     print(f"\n{spec.name} on {device} ({context['threads']} threads), bench {bench.name}\n{table}\nresults: {out_dir}")
     return rows
 
