@@ -169,3 +169,37 @@ def test_every_bench_config_expands(tmp_path, name):
     if name == "d2o_table13":
         assert {(c["method"], c["context_length"]) for c in cells} == {(m, n) for m in ("h2o", "d2o")
                                                                         for n in (512, 2048)}
+
+
+def test_only_grids_selects_grids_and_rejects_bad_indices(tmp_path):
+    cfg = _cfg(tmp_path, "bench=d2o_table5")
+    everything = expand(cfg.bench)
+    picked = expand(cfg.bench, [4, 5])
+    assert [(c["method"], c["batch_size"], c["new_tokens"]) for c in picked] == [("fullkv", 8, 1024),
+                                                                                 ("h2o", 32, 1024), ("d2o", 32, 1024)]
+    assert len(everything) > len(picked)
+    for bad in ([12], [-1], [], ["4"], [True]):
+        with pytest.raises(ConfigError, match=r"only_grids=.*grids 0\.\.11"):
+            expand(cfg.bench, bad)
+    out = subprocess.run([sys.executable, "-m", "kvbench.bench", "bench=d2o_table5", "only_grids=[99]",
+                          f"paths.results_dir={tmp_path}"], capture_output=True, text=True)
+    assert out.returncode == 2 and "only_grids=[99]" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "bench").exists()  # refused before any model loads
+
+
+def test_decode_warmup_tokens_shortens_only_the_warmup(tmp_path, monkeypatch):
+    import kvbench.bench.measure as measure
+
+    steps = []
+    real = measure.greedy_generate
+
+    def spy(model, prompts, new_tokens, *args, **kwargs):
+        steps.append(new_tokens)
+        return real(model, prompts, new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(measure, "greedy_generate", spy)
+    rows = _run(_cfg(tmp_path, "bench.grids.0.metrics=[decode]", "bench.grids.0.methods=[h2o]",
+                     "bench.grids.0.batch_sizes=[1]", "bench.new_tokens=6", "bench.warmup=2", "bench.repeats=2",
+                     "+bench.decode_warmup_tokens=2"))
+    assert steps == [2, 2, 6, 6]
+    assert rows[0]["decode_steps"] == 5  # the measured runs: 6 tokens, the first from the prefill

@@ -110,7 +110,7 @@ def test_spec_from_config_accepts_a_dict_and_a_spec():
     spec = spec_from_config({"name": "t", "source": "tiny-random"})
     assert spec_from_config(spec) == spec
     assert spec.tiny == {"layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, "hidden": 64, "intermediate": 128,
-                         "seed": 0}
+                         "seed": 0, "vocab": 0, "tie_embeddings": 1}
 
 
 def _bad_inputs(tmp: Path) -> list[tuple[dict, type, str]]:
@@ -366,3 +366,36 @@ def test_gguf_source_loads_the_embedded_file():
 def test_model_spec_defaults_are_what_the_configs_assume():
     spec = ModelSpec(name="x")
     assert (spec.source, spec.dtype, spec.attn_implementation, spec.device) == ("hf", "float32", "sdpa", "auto")
+
+
+def test_random_full_size_shapes_match_the_real_models():
+    """llama3-8b-random has Llama-3-8B's 8,030,261,248 parameters (built on the meta device: no memory);
+    smollm2-135m-random has SmolLM2-135M's 134,515,008."""
+    from kvbench.models.tiny import build_tiny_llama
+
+    def count(name, vocab):
+        spec = spec_from_config(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))
+        model = build_tiny_llama(spec.tiny, vocab_size=vocab, context_length=spec.context_length, bos_token_id=1,
+                                 eos_token_id=2, pad_token_id=2, attn_implementation="sdpa", device="meta",
+                                 dtype=torch.bfloat16)
+        assert next(model.parameters()).dtype == torch.bfloat16
+        return sum(p.numel() for p in model.parameters()), model.config
+
+    n, config = count("llama3-8b-random", 49152)
+    assert n == 8_030_261_248 and config.vocab_size == 128256 and not config.tie_word_embeddings
+    n, config = count("smollm2-135m-random", 49152)
+    assert n == 134_515_008 and config.vocab_size == 49152 and config.tie_word_embeddings
+
+
+@pytest.mark.parametrize(("tiny", "match"), [({"vocab": -1}, "vocab"), ({"tie_embeddings": 2}, "tie_embeddings")])
+def test_bad_random_model_shapes(tiny, match):
+    with pytest.raises(ConfigError, match=match):
+        spec_from_config({"name": "m", "source": "tiny-random", "tiny": tiny})
+
+
+def test_a_vocab_smaller_than_the_tokenizer_is_refused():
+    from kvbench.models.tiny import build_tiny_llama, resolve_tiny
+
+    with pytest.raises(ConfigError, match=r"model.tiny.vocab \(100\) is smaller than the tokenizer's 49152"):
+        build_tiny_llama(resolve_tiny({"vocab": 100}), vocab_size=49152, context_length=64, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2, attn_implementation="sdpa", device="meta")

@@ -162,13 +162,17 @@ def _prefill(model, method: Method, budget: Budget, ids: torch.Tensor) -> tuple[
 
 def measure_cell(loaded, method: Method, budget: Budget, context_length: int, batch_size: int,
                  metrics: list[str], new_tokens: int = 32, warmup: int = 1, repeats: int = 3,
-                 baseline: tuple[Method, Budget] | None = None) -> CellResult:
+                 baseline: tuple[Method, Budget] | None = None,
+                 warmup_new_tokens: int | None = None) -> CellResult:
     """Measure ``metrics`` (any of ``prefill``, ``memory``, ``decode``) for one cell.
 
     With ``baseline`` (FullKV's method and budget) the prefill is timed in pairs with the baseline's, alternating
     which runs first: ``prefill_ratio_paired`` is the median of the per-pair ratios. On a busy or thermally drifting
     machine this resolves a few percent where two separately timed cells cannot (SmolLM2's FullKV prefill at 4k on 2
-    CPU threads spreads 5.5-6.8 s between runs)."""
+    CPU threads spreads 5.5-6.8 s between runs).
+
+    ``warmup_new_tokens`` shortens the decode warm-up runs (default: ``new_tokens``): at D2O Table 5's 2048+8192 a
+    full-length warm-up doubles minutes of GPU time to warm kernels that are warm after a few steps."""
     _mmap_threshold(_STEADY_MMAP)  # timings with the allocator's steady state, whatever ran before
     model = loaded.model
     prompts = prompts_for(loaded.tokenizer, context_length, batch_size)
@@ -205,8 +209,9 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
     if "decode" in metrics:
         outs = []
         for i in range(warmup + repeats):
+            steps = new_tokens if i >= warmup or warmup_new_tokens is None else min(warmup_new_tokens, new_tokens)
             with CompressionSession(model, method, budget) as session:
-                out = greedy_generate(model, prompts, new_tokens, [], loaded.tokenizer.pad_token_id)
+                out = greedy_generate(model, prompts, steps, [], loaded.tokenizer.pad_token_id)
             if i >= warmup:
                 outs.append(out)
         per_token = [o.decode_seconds / o.decode_steps for o in outs if o.decode_steps]

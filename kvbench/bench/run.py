@@ -39,10 +39,20 @@ def method_config(name: str, overrides: dict[str, Any] | None) -> dict[str, Any]
     return cfg
 
 
-def expand(bench: DictConfig) -> list[dict[str, Any]]:
-    """Cells of every grid, validated without loading anything (unknown metric/method, bad budget: ConfigError)."""
+def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
+    """Cells of every grid (or of the grids whose indices are in ``only``), validated without loading anything
+    (unknown metric/method, bad budget, bad grid index: ConfigError)."""
     cells, seen = [], set()
+    count = len(bench.grids)
+    if only is not None:
+        only = list(only) if isinstance(only, (list, tuple)) or OmegaConf.is_list(only) else [only]
+        bad = [i for i in only if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
+        if bad or not only:
+            raise ConfigError(f"only_grids={only!r}: bench {bench.name!r} has grids 0..{count - 1}; "
+                              f"give indices in that range, e.g. only_grids=[0] (default: all)")
     for index, grid in enumerate(bench.grids):
+        if only is not None and index not in only:
+            continue
         grid = OmegaConf.to_container(grid)
         bad = [m for m in grid.get("metrics", []) if m not in METRICS]
         if bad or not grid.get("metrics"):
@@ -93,7 +103,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     from kvbench.models import load_model, spec_from_config
 
     bench = cfg.bench
-    cells = expand(bench)
+    cells = expand(bench, cfg.get("only_grids"))
     spec = spec_from_config(cfg.model)
     methods = {}
     for cell in cells:  # every method builds and validates before the model loads
@@ -128,7 +138,8 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
             metrics = [m for m in cell["metrics"] if not (isolate and m == "memory")]
             result = measure_cell(loaded, method, cell["budget"], cell["context_length"], cell["batch_size"],
                                   metrics, cell["new_tokens"], bench.warmup, cell["repeats"],
-                                  baseline=fullkv if cell["paired"] else None)
+                                  baseline=fullkv if cell["paired"] else None,
+                                  warmup_new_tokens=bench.get("decode_warmup_tokens"))
             row.update(result.as_dict())
             method_cfg = method_config(cell["method"], cell["overrides"])
             if isolate and "memory" in cell["metrics"]:

@@ -30,7 +30,7 @@ class KVLayer(DynamicLayer):
         self.valid: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.rope_pos: torch.Tensor | None = None  # position each key is currently rotated to (compact mode only)
-        self.capacity: torch.Tensor | None = None  # (batch,) tokens this layer may keep per row
+        self.capacity = None  # (batch,) tokens this layer may keep per row (a tensor; see capacity_list)
         self.row_state: dict[str, torch.Tensor] = {}  # per-row method state, (batch, ...): e.g. D2O's EMA threshold
 
     # ---- transformers' layer API -------------------------------------------------------------------------------
@@ -94,6 +94,22 @@ class KVLayer(DynamicLayer):
 
     # ---- kvbench API ---------------------------------------------------------------------------------------------
     @property
+    def capacity(self) -> torch.Tensor | None:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: torch.Tensor | None) -> None:
+        self._capacity = value
+        self._capacity_host: list[int] | None = None
+
+    def capacity_list(self) -> list[int]:
+        """``capacity`` as Python ints, read from the device once per assignment: per-step eviction checks on a GPU
+        would otherwise wait for the device at every layer of every step."""
+        if self._capacity_host is None:
+            self._capacity_host = [int(c) for c in self._capacity.tolist()]
+        return self._capacity_host
+
+    @property
     def num_entries(self) -> int:
         return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
 
@@ -137,20 +153,23 @@ class KVLayer(DynamicLayer):
             self.rope_pos = torch.gather(self.rope_pos, -1, index)
 
     def evict_one(self, index: torch.Tensor) -> None:
-        """Evict one entry per (batch, head): ``index`` ``(batch, heads)``."""
+        """Evict one entry per (batch, head): ``index`` ``(batch, heads)``; the others keep their order.
+
+        A gather with ``i + (i >= index)`` for i < n - 1, not a boolean mask: masked indexing has a data-dependent
+        size and makes the host wait for the GPU, at every layer of every decode step."""
         n = self.num_entries
-        keep = torch.ones(*index.shape, n, dtype=torch.bool, device=index.device)
-        keep.scatter_(-1, index.unsqueeze(-1), False)
         b, h = index.shape
-        d = self.keys.shape[-1]
-        self.keys = self.keys[keep].view(b, h, n - 1, d)
-        self.values = self.values[keep].view(b, h, n - 1, d)
-        self.positions = self.positions[keep].view(b, h, n - 1)
+        keep = torch.arange(n - 1, device=index.device).expand(b, h, n - 1)
+        keep = keep + (keep >= index.unsqueeze(-1)).long()
+        idx4 = keep.unsqueeze(-1).expand(b, h, n - 1, self.keys.shape[-1])
+        self.keys = torch.gather(self.keys, 2, idx4)
+        self.values = torch.gather(self.values, 2, idx4)
+        self.positions = torch.gather(self.positions, -1, keep)
         if self.valid is not None:
-            self.set_valid(self.valid[keep].view(b, h, n - 1))
-        self.state = {k: v[keep].view(b, h, n - 1) for k, v in self.state.items()}
+            self.set_valid(torch.gather(self.valid, -1, keep))
+        self.state = {k: torch.gather(v, -1, keep) for k, v in self.state.items()}
         if self.rope_pos is not None:
-            self.rope_pos = self.rope_pos[keep].view(b, h, n - 1)
+            self.rope_pos = torch.gather(self.rope_pos, -1, keep)
 
 
 class KVCache(Cache):

@@ -54,7 +54,7 @@ def greedy_generate(
     cache = KVCache()
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
     tokens: list[list[int]] = [[] for _ in prompts]
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    done = [False] * len(prompts)
 
     _sync(device)
     t0 = time.perf_counter()
@@ -73,17 +73,18 @@ def greedy_generate(
     steps = 0
     last_pos = position_ids[:, -1:]
     for step in range(max_new_tokens):
-        is_eos = torch.isin(next_token, eos)
+        # one device read per step for all rows (per-row reads each wait for the GPU)
+        ids_now, eos_now = next_token.tolist(), torch.isin(next_token, eos).tolist()
         for row in range(len(prompts)):
             if done[row]:
                 continue
-            if bool(is_eos[row]):
+            if eos_now[row]:
                 done[row] = True
                 continue
-            tokens[row].append(int(next_token[row]))
+            tokens[row].append(int(ids_now[row]))
             if should_stop is not None and should_stop(row, tokens[row]):
                 done[row] = True
-        if bool(done.all()) or step == max_new_tokens - 1:
+        if all(done) or step == max_new_tokens - 1:
             break
         last_pos = last_pos + 1
         mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=-1)

@@ -189,14 +189,10 @@ class CompressionSession:
         self._record_prefill_stats(layers)
 
     def _record_prefill_stats(self, layers: list[KVLayer]) -> None:
-        self.stats.layer_entries_after_prefill = []
-        self.stats.resident_kv_bytes_after_prefill = 0
-        for layer in layers:
-            # mean over KV heads of row 0 (heads can keep different numbers: KVMerger's ragged sets)
-            counts = layer.valid_counts()[0]
-            mean = float(counts.float().mean())
-            self.stats.layer_entries_after_prefill.append(int(mean) if mean.is_integer() else round(mean, 2))
-            self.stats.resident_kv_bytes_after_prefill += layer.resident_bytes()
+        self.stats.resident_kv_bytes_after_prefill = sum(layer.resident_bytes() for layer in layers)
+        # mean over KV heads of row 0 (heads can keep different numbers: KVMerger's ragged sets); one device read
+        means = torch.stack([layer.valid_counts()[0].float().mean() for layer in layers]).tolist() if layers else []
+        self.stats.layer_entries_after_prefill = [int(m) if m.is_integer() else round(m, 2) for m in means]
 
     def _decode(self, backend, module, layer, query, attention_mask, scaling, kwargs):
         capacity = layer.capacity

@@ -25,6 +25,7 @@ new tensors (merging), so resident memory is what the method keeps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -188,28 +189,42 @@ def check_choice(method: str, key: str, value: str, choices: tuple[str, ...]) ->
         raise ConfigError(f"method {method!r}: {key}={value!r} is not valid; valid: {', '.join(choices)}")
 
 
-def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor) -> None:
+def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor | Sequence[int]) -> None:
     """Keep, per (row, head), the ``keep[row]`` entries with the highest ``scores``; evict the rest.
 
     scores: ``(B, H, entries)``; entries that must stay get ``+inf``, entries that must go (padding) ``-inf``.
-    keep: ``(B,)`` number of entries per row. Rows keeping fewer than the maximum get empty (invalid) slots.
-    Nothing happens when every row already fits.
+    keep: ``(B,)`` number of entries per row (a tensor or Python ints). Rows keeping fewer than the maximum get empty
+    (invalid) slots. Nothing happens when every row already fits. On an unpadded cache the checks run on Python ints
+    (``KVLayer.capacity_list``), so a decode step's single eviction never makes the host wait for the GPU.
     """
-    counts = layer.valid_counts()
-    if bool((counts <= keep.view(-1, 1)).all()):
-        return
-    if layer.valid is None and bool((counts == keep.view(-1, 1) + 1).all()):  # one eviction per decode step
-        layer.evict_one(scores.argmin(-1))
-        return
-    if layer.valid is not None:
+    if layer.valid is None:  # every (row, head) holds num_entries
+        n, caps = layer.num_entries, host_ints(layer, keep)
+        if all(n <= c for c in caps):
+            return
+        if all(n == c + 1 for c in caps):  # one eviction per decode step
+            layer.evict_one(scores.argmin(-1))
+            return
+        k = max(caps)
+        keep = torch.as_tensor(caps, device=scores.device)
+    else:
+        keep = torch.as_tensor(keep, device=scores.device)
+        if bool((layer.valid_counts() <= keep.view(-1, 1)).all()):
+            return
         scores = scores.masked_fill(~layer.valid, float("-inf"))
-    k = int(keep.max())
+        k = int(keep.max())
     index = torch.topk(scores, k, dim=-1, sorted=True).indices
     slots = torch.arange(k, device=scores.device).view(1, 1, k)
     keep_valid = slots < keep.view(-1, 1, 1)
     chosen = torch.gather(scores, -1, index)
     keep_valid = keep_valid & (chosen > float("-inf"))
     layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
+
+
+def host_ints(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> list[int]:
+    """``keep`` as Python ints: the layer's cached capacity when ``keep`` is it, else one device read."""
+    if isinstance(keep, torch.Tensor):
+        return layer.capacity_list() if keep is layer.capacity else [int(c) for c in keep.tolist()]
+    return [int(c) for c in keep]
 
 
 def attend_with_column_sums(layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:

@@ -186,14 +186,21 @@ class D2O(Method):
         """Evict down to ``layer.capacity`` valid entries per (row, head), merging evicted entries (EMA gate)."""
         size, sinks, recent = layer.capacity.view(-1, 1), layer.row_state["d2o_sinks"], layer.row_state["d2o_recent"]
         counts = layer.valid_counts()  # (B, H)
-        if bool((counts <= size).all()):
-            return
+        if layer.valid is None:  # host-side checks (no wait for the GPU at every layer of every step)
+            n, caps = layer.num_entries, layer.capacity_list()
+            if all(n <= c for c in caps):
+                return
+            one_eviction = all(n == c + 1 for c in caps)
+        else:
+            if bool((counts <= size).all()):
+                return
+            one_eviction = False
         rank = real_rank(layer)
         protect = (rank < sinks.view(-1, 1, 1)) | (rank >= (counts - recent.view(-1, 1)).unsqueeze(-1))
         scores = layer.state["acc"].masked_fill(protect & (rank >= 0), float("inf"))
         valid = layer.valid if layer.valid is not None else torch.ones_like(scores, dtype=torch.bool)
         scores = scores.masked_fill(~valid, float("-inf"))
-        if layer.valid is None and bool((counts == size + 1).all()):  # one eviction per decode step
+        if one_eviction:  # one eviction per decode step
             victim = scores.argmin(-1)
             evicted, e_valid = victim.unsqueeze(-1), torch.ones_like(victim, dtype=torch.bool).unsqueeze(-1)
             everything = torch.arange(valid.shape[-1], device=valid.device).expand_as(valid)

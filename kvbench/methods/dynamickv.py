@@ -183,7 +183,7 @@ class DynamicKV(Method):
         self._scores.append(scores)
         layer.state[KEY] = torch.cat([scores, scores.new_full((*scores.shape[:2], ws), float("inf"))], dim=-1)
         keep = [n_row if base < 0 else bs + ws for n_row, base, bs in self._rows]
-        keep_top(layer, layer.state[KEY], torch.tensor(keep, device=scores.device))
+        keep_top(layer, layer.state[KEY], keep)
         if ctx.layer_idx % self.update_interval == self.update_interval - 1 and ctx.layer_idx < ctx.num_layers - 1:
             self._update(ctx.num_layers, final=False)
 
@@ -226,7 +226,7 @@ class DynamicKV(Method):
                 z = water_fill(z, held, base * num_layers)
             targets[row] = [x + ws for x in z]
         for i, layer in enumerate(self._layers):
-            keep_top(layer, layer.state[KEY], torch.tensor([t[i] for t in targets], device=layer.keys.device))
+            keep_top(layer, layer.state[KEY], [t[i] for t in targets])
             if max(e[i] for e in extra) > 0:
                 self._copy_window(layer, [e[i] for e in extra])
 

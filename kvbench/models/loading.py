@@ -316,8 +316,10 @@ def _load_tiny_random(spec: ModelSpec, device: str) -> tuple[Any, Any]:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         attn_implementation=spec.attn_implementation,
+        device=device,
+        dtype=_torch_dtype(spec.dtype),
     )
-    return model.to(dtype=_torch_dtype(spec.dtype), device=device), tokenizer
+    return model, tokenizer
 
 
 _LOADERS: dict[str, Callable[[ModelSpec, str], tuple[Any, Any]]] = {

@@ -1,0 +1,175 @@
+"""Check kvbench's CUDA path: every method on the GPU against the same method on the CPU, then bf16 and flash SDPA.
+
+    python scripts/gpu_check.py [--model smollm2-135m-random] [--length 1024] [--budget 128] [--out FILE]
+
+1. float32, same weights on both devices (built on the CPU, copied to the GPU): per method, the prefill's last
+   logits (max abs difference), the token positions each layer and head keeps after the prefill (overlap of the
+   GPU's kept set with the CPU's) and 8 greedy tokens (agreement). Scores computed in a different order on the two
+   devices can swap near-ties, so the bounds are an overlap of at least 0.98 and a logit difference below 1e-3.
+2. bfloat16 on the GPU, a left-padded batch of two prompts: every method generates 16 tokens with torch's SDPA
+   restricted to its FlashAttention-2 kernel (``sdpa_kernel(FLASH_ATTENTION)``); a method whose attention calls
+   cannot use that kernel (an explicit mask, float32 scores) is run again with every SDPA kernel and marked so.
+   Batch-1-only methods are refused with their own error, which is recorded, not counted as a failure.
+
+Writes a JSON report (default ``results/bench/gpu_check/<model>.json``) and exits 1 if any check fails.
+Needs a CUDA device; it refuses to run without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kvbench.bench.measure import essay_tokens  # noqa: E402
+from kvbench.bench.run import method_config  # noqa: E402
+from kvbench.budget import Budget  # noqa: E402
+from kvbench.engine import CompressionSession, KVCache, greedy_generate  # noqa: E402
+from kvbench.errors import KVBenchError  # noqa: E402
+from kvbench.methods import METHODS, build_method  # noqa: E402
+from kvbench.models import load_model, spec_from_config  # noqa: E402
+
+MIN_OVERLAP, MAX_LOGIT_DIFF = 0.98, 1e-3
+# Methods that draw random numbers from the device's own generator (CaM's Bernoulli merges): the same seed gives
+# different draws on a CPU and a GPU, so their logits are reported, not judged, across devices.
+DEVICE_RNG = {"cam"}
+
+
+def kept_positions(cache: KVCache) -> set[tuple[int, int, int, int]]:
+    """(layer, row, head, position) of every valid cached entry."""
+    kept = set()
+    for index, layer in enumerate(cache.layers):
+        pos = layer.positions.cpu()
+        valid = torch.ones_like(pos, dtype=torch.bool) if layer.valid is None else layer.valid.cpu()
+        for b, h, n in valid.nonzero().tolist():
+            kept.add((index, b, h, int(pos[b, h, n])))
+    return kept
+
+
+@torch.inference_mode()
+def prefill(model, method, budget, ids):
+    cache = KVCache()
+    with CompressionSession(model, method, budget):
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    return logits.cpu(), kept_positions(cache)
+
+
+def generate(model, method, budget, prompts, new_tokens, pad_id):
+    with CompressionSession(model, method, budget) as session:
+        out = greedy_generate(model, prompts, new_tokens, [], pad_id)
+    return out.tokens, session.stats.resident_kv_bytes_after_prefill
+
+
+def build(name: str, budget: Budget):
+    return build_method(method_config(name, None), budget)
+
+
+def compare_devices(name, cpu_model, gpu_model, budget, prompt, pad_id) -> dict:
+    """float32: the same method on CPU and GPU (offload, GPU-only, against FullKV on the CPU)."""
+    reference = "fullkv" if getattr(METHODS.get_class(name), "requires_cuda", False) else name
+    ref_budget = Budget.parse(None) if reference == "fullkv" else budget
+    ids = torch.tensor([prompt])
+    cpu_logits, cpu_kept = prefill(cpu_model, build(reference, ref_budget), ref_budget, ids)
+    gpu_logits, gpu_kept = prefill(gpu_model, build(name, budget), budget, ids.to(gpu_model.device))
+    cpu_tokens, _ = generate(cpu_model, build(reference, ref_budget), ref_budget, [prompt], 8, pad_id)
+    gpu_tokens, _ = generate(gpu_model, build(name, budget), budget, [prompt], 8, pad_id)
+    overlap = len(cpu_kept & gpu_kept) / max(len(cpu_kept), 1)
+    diff = float((cpu_logits - gpu_logits).abs().max())
+    agree = sum(a == b for a, b in zip(cpu_tokens[0], gpu_tokens[0])) / max(len(cpu_tokens[0]), 1)
+    row = {"reference": reference, "kept_overlap": round(overlap, 4), "kept_entries": len(gpu_kept),
+           "logit_max_abs_diff": diff, "token_agreement": agree}
+    if reference != name:  # offload keeps only part of the KV on the device by design: outputs must equal FullKV's
+        row["ok"] = diff < MAX_LOGIT_DIFF and agree == 1.0
+    else:
+        row["ok"] = overlap >= MIN_OVERLAP and len(cpu_kept) == len(gpu_kept) and (
+            name in DEVICE_RNG or diff < MAX_LOGIT_DIFF)
+    return row
+
+
+def bf16_flash(name, model, budget, prompts, pad_id) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            tokens, resident = generate(model, build(name, budget), budget, prompts, 16, pad_id)
+        kernel = "flash"
+    except KVBenchError as exc:
+        return {"ok": True, "refused": str(exc).splitlines()[0]}
+    except RuntimeError as exc:  # "No available kernel": a call with a mask (left padding) or float32 inputs
+        try:
+            tokens, resident = generate(model, build(name, budget), budget, prompts, 16, pad_id)
+        except KVBenchError as refusal:  # batch-1-only methods refuse the padded batch
+            return {"ok": True, "refused": str(refusal).splitlines()[0]}
+        kernel = f"any (flash refused: {str(exc).splitlines()[0][:80]})"
+    return {"ok": all(len(t) == 16 for t in tokens), "sdpa_kernel": kernel, "resident_kv_bytes": resident}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-random")
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--methods", nargs="*", default=None, help=f"default: all ({', '.join(METHODS.names())})")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--device", default="cuda", help="the device checked against the CPU (cpu: a dry run)")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: scripts/gpu_check.py needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.methods or []) - set(METHODS.names()))
+    if unknown:
+        print(f"error: unknown method(s) {', '.join(unknown)}; valid: {', '.join(METHODS.names())}", file=sys.stderr)
+        return 2
+    raw = OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml")
+    spec = spec_from_config({**OmegaConf.to_container(raw), "dtype": "float32", "device": "cpu"})
+    loaded = load_model(spec)
+    cpu_model = loaded.model
+    gpu_model = copy.deepcopy(cpu_model).to(args.device)
+    pad_id = loaded.tokenizer.pad_token_id
+    prompt = essay_tokens(loaded.tokenizer, args.length)
+    budget = Budget.parse(args.budget)
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+    report = {"model": args.model, "device": device_name, "torch": torch.__version__,
+              "length": args.length, "budget": args.budget, "methods": {}}
+    failed = []
+    names = args.methods or METHODS.names()
+    for name in names:  # float32, CPU vs GPU
+        try:
+            row = compare_devices(name, cpu_model, gpu_model, budget, prompt, pad_id)
+        except KVBenchError as exc:
+            row = {"ok": True, "refused": str(exc).splitlines()[0]}
+        except Exception as exc:  # noqa: BLE001 - a crash on one method is a finding, the others still run
+            row = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        report["methods"][name] = {"fp32_cpu_vs_cuda": row}
+        print(f"fp32 {name:14s} {json.dumps(row)}", flush=True)
+    gpu_model.to(torch.bfloat16)
+    del cpu_model
+    prompts = [prompt, prompt[: args.length - 100]]
+    for name in names:  # bf16, left-padded batch of two, flash SDPA where the calls allow it
+        try:
+            row = bf16_flash(name, gpu_model, budget, prompts, pad_id)
+        except Exception as exc:  # noqa: BLE001
+            row = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        report["methods"][name]["bf16_batch2"] = row
+        print(f"bf16 {name:14s} {json.dumps(row)}", flush=True)
+    for name, rows in report["methods"].items():
+        if not all(r["ok"] for r in rows.values()):
+            failed.append(name)
+    report["failed"] = failed
+    out = args.out or REPO / "results" / "bench" / "gpu_check" / f"{args.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\n{len(names) - len(failed)}/{len(names)} methods pass; failed: {', '.join(failed) or 'none'}; {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
