@@ -203,3 +203,15 @@ def test_decode_warmup_tokens_shortens_only_the_warmup(tmp_path, monkeypatch):
                      "+bench.decode_warmup_tokens=2"))
     assert steps == [2, 2, 6, 6]
     assert rows[0]["decode_steps"] == 5  # the measured runs: 6 tokens, the first from the prefill
+
+
+def test_rerun_measures_only_the_selected_cells_again(tmp_path):
+    first = _run(_cfg(tmp_path))
+    again = _run(_cfg(tmp_path, "rerun=true", "bench.grids.0.methods=[fullkv]", "bench.grids.0.batch_sizes=[2]"))
+    store = tmp_path / "bench" / "tiny-random" / "smoke" / "cpu" / "cells.jsonl"
+    rows = [json.loads(line) for line in store.read_text().splitlines()]
+    assert len(rows) == 6 and len(again) == 6  # the other five cells are kept, not wiped
+    key = lambda r: (r["method"], r["batch_size"])  # noqa: E731
+    assert [key(r) for r in rows][-1] == ("fullkv", 2)  # measured again, appended last
+    before = {key(r): r for r in first}
+    assert all(r == before[key(r)] for r in rows if key(r) != ("fullkv", 2))

@@ -119,12 +119,19 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     out_dir = Path(cfg.paths.results_dir) / "bench" / spec.name / bench.name / device.split(":")[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     store = out_dir / "cells.jsonl"
-    rows = [] if cfg.rerun or not store.exists() else [json.loads(x) for x in store.read_text().splitlines() if x]
-    done = {_cell_key(r) for r in rows}
+    rows = [json.loads(x) for x in store.read_text().splitlines() if x] if store.exists() else []
     context = {"model": spec.name, "device": device, "dtype": spec.dtype, "threads": torch.get_num_threads()}
+    if cfg.rerun:  # measure this run's cells again; the store keeps every other cell (e.g. grids not in only_grids)
+        again = {_cell_key({**context, "method": c["method"], "budget": c["budget"].label(),
+                            "context_length": c["context_length"], "batch_size": c["batch_size"]}) for c in cells}
+        rows = [r for r in rows if _cell_key(r) not in again]
+        tmp = store.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(store)
+    done = {_cell_key(r) for r in rows}
     # CPU peaks are RSS high-water marks: a fresh process per measurement (kvbench.bench.probe), never this one's
     isolate = device.startswith("cpu")
-    with store.open("w" if cfg.rerun else "a") as f:
+    with store.open("a") as f:
         for cell in cells:
             method = methods.get((cell["method"], cell["budget"].label()))
             if method is None:
