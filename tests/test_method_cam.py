@@ -202,3 +202,34 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="seed=-1"):
         build_method({"name": "cam", "seed": -1}, Budget.parse(64))
     assert CaM().split(128) == (64, 64) and CaM(start_share=0.25).split(10) == (3, 7)
+
+
+def _merge_loop(values, merge, first, span):
+    """CaM's merge as its code writes it: token by token, each merged value already carrying earlier merges."""
+    for k in range(merge.shape[-1]):
+        x = first + k
+        m = merge[:, :, k].to(values.dtype).unsqueeze(-1)
+        values[:, :, x + 1 : x + 1 + span] += (values[:, :, x] * m / span).unsqueeze(2)
+
+
+@pytest.mark.parametrize(("b", "h", "n", "first", "steps", "span", "block"), [
+    (1, 2, 40, 6, 28, 6, 128),  # one block
+    (2, 3, 300, 10, 200, 7, 16),  # many blocks, span not dividing the block, rows after the last target untouched
+    (1, 2, 300, 0, 299, 1, 8),  # span 1: the longest cascade
+    (1, 3, 500, 100, 200, 300, 128),  # span longer than the block size: blocks of span rows
+    (1, 1, 50, 3, 3, 100, 128),  # targets clipped at the end of the cache
+])
+def test_merge_values_is_the_token_order_loop(b, h, n, first, steps, span, block):
+    from kvbench.methods.cam_ops import merge_values
+
+    g = torch.Generator().manual_seed(n + span)
+    v = torch.randn(b, h, n, D, generator=g, dtype=torch.float64)
+    merge = torch.rand(b, h, steps, generator=g) < 0.7
+    expect, got = v.clone(), v.clone()
+    _merge_loop(expect, merge, first, span)
+    merge_values(got, merge, first, span, block)
+    assert torch.allclose(got, expect, rtol=0, atol=1e-12)
+    assert not torch.equal(expect, v)
+    v32 = v.float()
+    merge_values(v32, merge, first, span, block)  # float32 (and bf16 on GPUs) solve in float32
+    assert torch.allclose(v32.double(), expect, atol=1e-5)

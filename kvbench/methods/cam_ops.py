@@ -1,5 +1,6 @@
 """CaM's tensor operations: the start+recent (Λ) attention of a prompt in chunks, the merge probabilities of the
-token leaving the window, and the sequential value merge. Used by ``kvbench/methods/cam.py``.
+token leaving the window, and the value merge (CaM's token-order loop as a banded triangular solve). Used by
+``kvbench/methods/cam.py``.
 
 Shapes: queries grouped per KV head ``(B, Hkv, g, n, D)``, keys/values ``(B, Hkv, n, D)``; attention statistics are
 averaged over each GQA group (``(B, Hkv, ...)``), as reference/methods.md B6 asks.
@@ -59,14 +60,14 @@ def leaving_probabilities(qg, keys, s: int, r: int, scaling: float, chunk: int) 
     start_max = torch.zeros(b, hkv, n + 1, device=dev)  # [t] = max_{j<s} S_j(t)
     band = torch.zeros(b, hkv, n, r, device=dev)  # [i, d] = A[i, i - d] for i - d >= s, d < r
     dd = torch.arange(r, device=dev)
-    for start, stop, idx, probs in lambda_chunks(qg, keys, s, r, scaling, chunk):
+    for start, stop, _idx, probs in lambda_chunks(qg, keys, s, r, scaling, chunk):
         mean = probs.mean(2)
         ns = min(s, stop)
         if ns:
             cum = mean[..., :ns].cumsum(2) + start_cum[..., :ns].unsqueeze(2)
             start_cum[..., :ns] = cum[:, :, -1]
             start_max[..., start + 1 : stop + 1] = cum.amax(-1)
-        lo = int(idx[ns]) if idx.numel() > ns else stop
+        lo = min(max(s, start - r), stop)  # where the band starts in idx (idx[ns]), known without reading idx
         col = torch.arange(start, stop, device=dev).view(-1, 1) - dd.view(1, -1) - lo  # (c, r)
         rows = mean[..., ns:]
         if rows.shape[-1]:
@@ -90,14 +91,39 @@ def leaving_probabilities(qg, keys, s: int, r: int, scaling: float, chunk: int) 
     return p, colsum
 
 
-def merge_values(values: torch.Tensor, merge: torch.Tensor, first: int, span: int) -> None:
+def merge_values(values: torch.Tensor, merge: torch.Tensor, first: int, span: int, block: int = 128) -> None:
     """CaM's merge, in place and in token order: for the token ``x = first + k`` with ``merge[..., k]`` set,
     ``v[x + 1 : x + 1 + span] += v[x] / span`` (``v[x]`` already holds what earlier tokens merged into it).
 
     values ``(B, H, n, D)``; merge ``(B, H, steps)`` bool. Keys are never merged.
+
+    The loop is the recurrence ``v'[y] = v[y] + Σ_{y - span <= x < y} m_x v'[x] / span``, a unit lower-triangular
+    banded system ``(I - A) v' = v``. It is solved by block forward substitution over blocks of ``K = max(span,
+    block)`` rows: a row depends only on its own block and the one before, so
+    ``V'_k = (I - A_kk)^{-1} (V_k + A_{k,k-1} V'_{k-1})`` with one triangular solve per block, in float32 at least (one
+    iteration per K tokens instead of one per merged token, and no read of ``merge`` by the host).
     """
-    hits = merge.flatten(0, 1).any(0).nonzero().flatten().tolist()
-    for k in hits:
-        x = first + k
-        m = merge[:, :, k].to(values.dtype).unsqueeze(-1)
-        values[:, :, x + 1 : x + 1 + span] += (values[:, :, x] * m / span).unsqueeze(2)
+    b, h, n, d = values.shape
+    steps = merge.shape[-1]
+    stop = min(n, first + steps + span)  # rows that are sources or targets
+    length = stop - first
+    if steps == 0 or length <= 1:
+        return
+    k = max(span, block)
+    nb = -(-length // k)
+    dev, dt = values.device, torch.promote_types(values.dtype, torch.float32)
+    v = torch.zeros(b, h, nb * k, d, dtype=dt, device=dev)
+    v[:, :, :length] = values[:, :, first:stop]
+    m = torch.zeros(b, h, nb * k, dtype=dt, device=dev)
+    m[..., :steps] = merge.to(dt) / span
+    v, m = v.view(b, h, nb, k, d), m.view(b, h, nb, 1, k)
+    diff = torch.arange(k, device=dev).view(-1, 1) - torch.arange(k, device=dev).view(1, -1)  # y - x in a block
+    inside = ((diff > 0) & (diff <= span)).to(dt)  # x earlier in the same block, at most span back
+    behind = (diff + k <= span).to(dt)  # x in the previous block, at most span back
+    eye = torch.eye(k, dtype=dt, device=dev)
+    out, prev = [], None
+    for blk in range(nb):
+        rhs = v[:, :, blk] if prev is None else v[:, :, blk] + (behind * m[:, :, blk - 1]) @ prev
+        prev = torch.linalg.solve_triangular(eye - inside * m[:, :, blk], rhs, upper=False, unitriangular=True)
+        out.append(prev)
+    values[:, :, first:stop] = torch.cat(out, 2)[:, :, :length].to(values.dtype)
