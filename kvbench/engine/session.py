@@ -38,13 +38,15 @@ class SessionStats:
     prompt_lens: list[int] = field(default_factory=list)
     layer_entries_after_prefill: list[float] = field(default_factory=list)  # valid entries per layer (row 0)
     resident_kv_bytes_after_prefill: int = 0
-    attended_entries_sum: int = 0  # sum over decode steps and layers of mean attended entries per (row, head)
+    #: sum over decode steps and layers of mean attended entries per (row, head); a device scalar when padded caches
+    #: were counted (read once, here, not at every layer of every step)
+    attended_entries_sum: int | torch.Tensor = 0
     decode_layer_calls: int = 0
 
     @property
     def attended_tokens_mean(self) -> float:
         """Mean number of entries a (layer, head) attended at a decode step."""
-        return self.attended_entries_sum / self.decode_layer_calls if self.decode_layer_calls else 0.0
+        return float(self.attended_entries_sum) / self.decode_layer_calls if self.decode_layer_calls else 0.0
 
 
 class CompressionSession:
@@ -207,8 +209,10 @@ class CompressionSession:
             valid, entries = layer.valid, layer.values.shape[2]
         else:
             out, valid, entries = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs)
-        attended = int(valid.sum() // valid[..., 0].numel()) if valid is not None else entries
-        attended = ctx.attended if ctx.attended is not None else attended
+        if ctx.attended is not None:
+            attended = ctx.attended
+        else:  # padded caches (KVMerger, D2O's padded heads): a device scalar, summed without a host read
+            attended = valid.sum() // valid[..., 0].numel() if valid is not None else entries
         self.stats.attended_entries_sum += attended
         self.stats.decode_layer_calls += 1
         self.method.decode(layer, ctx)

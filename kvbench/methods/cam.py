@@ -22,6 +22,7 @@ from kvbench.methods.base import (
     PrefillContext,
     check_choice,
     check_positive,
+    host_ints,
     keep_top,
     real_rank,
 )
@@ -160,7 +161,7 @@ class CaM(Method):
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper" or ctx.probs is None:
             return
-        cap = int(ctx.capacity[0])
+        cap = host_ints(layer, ctx.capacity)[0]
         s, r = self.split(cap)
         if ctx.layer_idx not in self._rng:
             self._rng[ctx.layer_idx] = torch.Generator(device=ctx.query.device).manual_seed(
@@ -174,5 +175,5 @@ class CaM(Method):
             m = (self._draws(ctx.layer_idx, (1, b, hkv), ctx.query.device)[0] < p).to(layer.values.dtype)
             values = layer.values
             values[:, :, s + 1 : s + 1 + r] += (values[:, :, s] * m.unsqueeze(-1) / r).unsqueeze(2)
-            layer.evict_one(torch.full((b, hkv), s, dtype=torch.long, device=values.device))
+            layer.evict_at(s)
         layer.state["cam_acc"] = layer.state["cam_acc"] + layer.state.pop("cam_step")

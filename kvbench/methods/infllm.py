@@ -186,14 +186,16 @@ class InfLLM(Method):
         out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(vc.dtype), vc).reshape(1, hq, m, d)
         # local-window attention received by each not-yet-blocked token, per query head
         received = (probs * local).sum(-2).reshape(hq, -1)
-        tail = cand >= mem.start
-        grown = max(0, stop - mem.start) - mem.score.shape[1]
+        # the tokens not yet in blocks are cand's last segment, [mem.start, stop) (init tokens and memory blocks all
+        # lie before mem.start): a slice, so that the host never waits for the device here
+        tail = max(0, stop - mem.start)
+        grown = tail - mem.score.shape[1]
         if grown > 0:
             mem.score = torch.cat([mem.score, mem.score.new_zeros(hq, grown)], dim=1)
-        if bool(tail.any()):
-            mem.score.index_add_(1, cand[tail] - mem.start, received[:, tail])
+        if tail:
+            mem.score[:, :tail] += received[:, cand.numel() - tail :]
         self._form_blocks(mem, keys, stop, inv_freq)
-        return out, int((local[-1] | distant[-1]).sum())
+        return out, cand.numel()  # every candidate precedes the last query: it attends them all
 
     def _form_blocks(self, mem: _Memory, keys, stop: int, inv_freq) -> None:
         """Blocks whose tokens are all at distance >= n_local from the newest token join the memory."""

@@ -13,7 +13,14 @@ import torch
 
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError
-from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive
+from kvbench.methods.base import (
+    DecodeContext,
+    Method,
+    PrefillContext,
+    check_choice,
+    check_positive,
+    host_ints,
+)
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -117,7 +124,7 @@ class Quest(Method):
         t = layer.num_entries
         p = self.page_size
         num_pages = -(-t // p)
-        page_budget = int(ctx.capacity[0]) // p
+        page_budget = host_ints(layer, ctx.capacity)[0] // p
         if num_pages <= page_budget:
             return None
         mins, maxs = self.page_metadata(ctx.layer_idx, layer.keys)

@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvbench.errors import ConfigError
-from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive, keep_top
+from kvbench.methods.base import (
+    DecodeContext,
+    Method,
+    PrefillContext,
+    check_choice,
+    check_positive,
+    host_ints,
+    keep_top,
+)
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -190,7 +198,7 @@ class RoCo(Method):
         layer.state["roco_sum"] = layer.state["roco_sum"] + row.sum(2)
         layer.state["roco_sq"] = layer.state["roco_sq"] + row.square().sum(2)
         layer.state["roco_count"] = layer.state["roco_count"] + seen
-        cap = int(ctx.capacity[0])
+        cap = host_ints(layer, ctx.capacity)[0]
         while layer.num_entries > cap:
             victims = roco_victims(*(layer.state[s] for s in STATS), 1, self._pool(cap, 1, False),
                                    self.exclude_last, self._phase(False)[1])
