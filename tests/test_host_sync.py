@@ -133,3 +133,38 @@ def test_keep_top_takes_python_ints_or_a_tensor_and_capacity_is_read_once():
     assert layer.capacity_list() == [6, 6]
     layer.capacity = torch.tensor([3, 2])
     assert layer.capacity_list() == [3, 2]
+
+
+# ops that only make a new view of a tensor (no kernel on a GPU)
+VIEWS = {"view", "_unsafe_view", "unsqueeze", "squeeze", "expand", "narrow", "slice", "select", "alias", "t",
+         "transpose", "permute", "as_strided", "detach", "reshape", "split", "unbind", "_reshape_alias"}
+
+
+class CountKernels(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in VIEWS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _kernels_per_layer_step(model, method_name, budget) -> float:
+    prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    counts = []
+    for new_tokens in (2, 10):
+        b = Budget.parse(budget)
+        with CompressionSession(model, build_method({"name": method_name}, b), b), CountKernels() as mode:
+            greedy_generate(model, [prompt], new_tokens, [], 0)
+        counts.append(mode.count)
+    return (counts[1] - counts[0]) / 8 / model.config.num_hidden_layers
+
+
+def test_streamingllm_decode_costs_one_concatenation_per_tensor_over_fullkv(toy_llama):
+    """Batch-1 decoding of a large model on a GPU is bound by kernel launches (results/bench/llama3-8b-random/
+    gpu_profile): StreamingLLM's step evicts with KVLayer.evict_at, one cat each for keys, values and positions
+    (the index computation and gathers of keep_top took 15 more)."""
+    extra = _kernels_per_layer_step(toy_llama, "streamingllm", 64) - _kernels_per_layer_step(toy_llama, "fullkv", None)
+    assert round(extra, 6) == 3, extra
