@@ -308,3 +308,107 @@ def test_merge_score_add_changes_which_tokens_are_evicted():
             decode_step(method, layer, qq, kk, vv, 16)
         kept[merge_score] = kept_positions(layer)
     assert kept["keep"] != kept["add"]
+
+
+@pytest.mark.parametrize("fields", [{}, {"merge_weights": "average"}, {"merge_score": "add"},
+                                    {"similarity_feature": "key_value"}, {"similarity_feature": "value", "b": 2}])
+def test_decode_fast_path_equals_the_general_path(fields, monkeypatch):
+    """An unpadded decode step evicts through ``_evict_one`` (no rank masks, no kept-set gather, the merged row
+    only); it must give exactly what the general masked path gives, step after step."""
+    import kvbench.methods.d2o as d2o_module
+
+    merges, fast_calls = [], []
+    real_merge_into, real_evict_one = d2o_module.merge_into, D2O._evict_one
+    monkeypatch.setattr(d2o_module, "merge_into", lambda x, e, t, m, merge, w: merges.extend(merge.flatten().tolist())
+                        or real_merge_into(x, e, t, m, merge, w))
+    monkeypatch.setattr(D2O, "_evict_one", lambda self, *a: fast_calls.append(1) or real_evict_one(self, *a))
+    fields = dict(fields)
+    b = fields.pop("b", 1)
+    n, size = 40, 16
+    q, k, v = _qkv(n=n, seed=7, b=b)
+    runs = []
+    for fast in (True, False):
+        layer = make_layer(k.clone(), v.clone())
+        method = D2O(**fields)
+        ctx = prefill_ctx(q, layer, size)
+        method.prefill(layer, ctx)
+        method.finish_prefill([layer], ctx)
+        if not fast:
+            method._host_split.clear()  # no host-side (T, M): the general path
+        runs.append((method, layer))
+    merges.clear()
+    for s in range(10):
+        qq, kk, vv = _qkv(n=1, seed=80 + s, b=b)
+        for method, layer in runs:
+            decode_step(method, layer, qq, kk, vv, size)
+        (_, fast), (_, slow) = runs
+        for key in ("keys", "values", "positions"):
+            assert torch.equal(getattr(fast, key), getattr(slow, key)), key
+        assert torch.equal(fast.state["acc"], slow.state["acc"])
+        for key, tau in fast.row_state.items():
+            assert torch.equal(tau, slow.row_state[key]), key
+    assert fast.num_entries == size
+    assert len(fast_calls) == 10  # the fast run took the fast path at every step, the other never
+    assert any(merges) and not all(merges)  # evicted tokens that were merged and ones that were discarded
+
+
+def test_merge_into_one_evicted_entry_equals_the_scatter_path():
+    from kvbench.methods.d2o_ops import merge_into
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 10, 4, generator=g)
+    evicted = torch.randint(0, 10, (2, 3, 1), generator=g)
+    target = (evicted + 1 + torch.randint(0, 8, (2, 3, 1), generator=g)) % 10
+    m = torch.rand(2, 3, 1, generator=g)
+    merge = torch.tensor([True, False, True, True, False, True]).view(2, 3, 1)
+    for weights in ("weighted", "average", "official"):
+        one = merge_into(x, evicted, target, m, merge, weights)
+        # the same eviction as a two-column call (second column never merged): the general scatter path
+        two = merge_into(x, evicted.repeat(1, 1, 2), target.repeat(1, 1, 2), m.repeat(1, 1, 2),
+                         torch.cat([merge, torch.zeros_like(merge)], -1), weights)
+        assert torch.equal(one, two), weights
+        assert not torch.equal(one, x)
+
+
+@pytest.mark.parametrize("variant", ["paper", "official_code"])
+def test_decode_fast_path_equals_the_general_path_in_the_engine(variant, monkeypatch):
+    """Through the engine, 5 layers (official: layers 0, 1, 4 never compressed, the prompt stays until the first
+    step), batch 1 (rows of a batch get their own S_l, so their caches are padded and take the general path): every
+    layer's cache after every decode step is the same with and without the fast path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (120,), generator=g).tolist()]
+    real_decode, real_finish, real_evict_one = D2O.decode, D2O.finish_prefill, D2O._evict_one
+    runs = {}
+    for fast in (True, False):
+        seen, fast_calls = [], []
+
+        def decode(self, layer, ctx, seen=seen):
+            real_decode(self, layer, ctx)
+            seen.append((layer.keys.clone(), layer.values.clone(), layer.positions.clone(), layer.valid))
+
+        def finish(self, layers, ctx, fast=fast):
+            real_finish(self, layers, ctx)
+            if not fast:
+                self._host_split.clear()
+
+        monkeypatch.setattr(D2O, "decode", decode)
+        monkeypatch.setattr(D2O, "finish_prefill", finish)
+        method, b = D2O(variant=variant), Budget.parse(0.3)
+        monkeypatch.setattr(D2O, "_evict_one", lambda self, *a, calls=fast_calls: calls.append(1)
+                            or real_evict_one(self, *a))
+        with CompressionSession(model, method, b):
+            out = greedy_generate(model, prompts, 6, [], 0)
+        runs[fast] = (seen, out, len(fast_calls))
+    (fast_seen, fast_out, calls), (slow_seen, slow_out, slow_calls) = runs[True], runs[False]
+    assert calls > 0 and slow_calls == 0
+    assert len(fast_seen) == len(slow_seen) == 5 * 5  # 5 layers x 5 decode steps (token 1 comes from prefill)
+    for a, b_ in zip(fast_seen, slow_seen):
+        for x, y in zip(a[:3], b_[:3]):
+            assert torch.equal(x, y)
+    assert fast_out.tokens == slow_out.tokens

@@ -106,6 +106,7 @@ class D2O(Method):
         self._density: dict[int, torch.Tensor] = {}
         self.last_density: list[list[float]] = []  # per row, F_l per layer (D2O Figure 4)
         self.last_allocation: list[list[int]] = []  # per row, realised S_l per layer
+        self._host_split: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (T per row, M per row), host ints
 
     def min_budget_tokens(self) -> int:
         return self.sink_size + 2
@@ -170,8 +171,9 @@ class D2O(Method):
                 layer.row_state[f"d2o_tau_{feat}"] = torch.full(
                     (len(plans), heads), float("nan"), dtype=torch.float64, device=device
                 )
+            self._host_split[idx] = ([plan[idx][1] for plan in plans], [plan[idx][2] for plan in plans])
             if self.variant == "paper":
-                self._compress(layer)
+                self._compress(layer, idx)
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if ctx.probs is None or "acc" not in layer.state:
@@ -179,19 +181,23 @@ class D2O(Method):
         step = ctx.probs.sum(3)  # over the step's queries: (B, Hkv, g, entries)
         step = step.mean(2) if self.group_agg == "mean" else step.amax(2)
         layer.state["acc"] = layer.state["acc"] + step
-        self._compress(layer)
+        self._compress(layer, ctx.layer_idx)
 
     # ---- eviction + merging ---------------------------------------------------------------------------------------
-    def _compress(self, layer: KVLayer) -> None:
+    def _compress(self, layer: KVLayer, layer_idx: int) -> None:
         """Evict down to ``layer.capacity`` valid entries per (row, head), merging evicted entries (EMA gate)."""
         size, sinks, recent = layer.capacity.view(-1, 1), layer.row_state["d2o_sinks"], layer.row_state["d2o_recent"]
-        counts = layer.valid_counts()  # (B, H)
         if layer.valid is None:  # host-side checks (no wait for the GPU at every layer of every step)
             n, caps = layer.num_entries, layer.capacity_list()
             if all(n <= c for c in caps):
                 return
             one_eviction = all(n == c + 1 for c in caps)
-        else:
+            t, r = self._host_split.get(layer_idx, ([], []))
+            if one_eviction and len(set(t)) == 1 and len(set(r)) == 1 and t[0] < n - r[0]:
+                self._evict_one(layer, t[0], r[0])
+                return
+        counts = layer.valid_counts()  # (B, H)
+        if layer.valid is not None:
             if bool((counts <= size).all()):
                 return
             one_eviction = False
@@ -216,17 +222,27 @@ class D2O(Method):
         self._merge(layer, evicted, torch.gather(gone, -1, evicted), index, keep_valid)
         layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
 
-    def _merge(self, layer: KVLayer, evicted: torch.Tensor, e_valid: torch.Tensor, kept: torch.Tensor,
-               kept_valid: torch.Tensor) -> None:
-        """Nearest kept token by cosine, EMA gate, weighted merge into keys/values (entry indices)."""
+    def _evict_one(self, layer: KVLayer, sinks: int, recent: int) -> None:
+        """A decode step on an unpadded cache whose rows share (T, M): the victim is the lowest score between the
+        sinks and the recent window (the general path's masked argmin, without building the masks)."""
+        victim = layer.state["acc"][..., sinks : layer.num_entries - recent].argmin(-1) + sinks
+        evicted = victim.unsqueeze(-1)
+        self._merge(layer, evicted, None, None, None)
+        layer.evict_one(victim)
+
+    def _merge(self, layer: KVLayer, evicted: torch.Tensor, e_valid: torch.Tensor | None, kept: torch.Tensor | None,
+               kept_valid: torch.Tensor | None) -> None:
+        """Nearest kept token by cosine, EMA gate, weighted merge into keys/values (entry indices). ``kept=None``
+        and ``e_valid=None``: one real evicted entry per (row, head), every other entry kept (``_evict_one``)."""
         official = self.variant == "official_code"
         for feat, tensors in PASSES[self.similarity_feature]:
             m, target = nearest_kept(layer.keys if feat == "key" else layer.values, evicted, kept, kept_valid,
                                      self.chunk)
             tau = layer.row_state[f"d2o_tau_{feat}"]
             if official:  # one decision per evicted slot from the head-mean maximum similarity, one tau per row
-                merge, tau = ema_gate(m.mean(1, keepdim=True), e_valid[:, :1], tau, self.beta)
-                merge = merge.expand_as(m) & e_valid
+                merge, tau = ema_gate(m.mean(1, keepdim=True), None if e_valid is None else e_valid[:, :1], tau,
+                                      self.beta)
+                merge = merge.expand_as(m) if e_valid is None else merge.expand_as(m) & e_valid
             else:
                 merge, tau = ema_gate(m, e_valid, tau, self.beta)
             layer.row_state[f"d2o_tau_{feat}"] = tau

@@ -133,16 +133,22 @@ def official_ratios(density: torch.Tensor, rho: float) -> torch.Tensor:
 
 
 # ---- token level ---------------------------------------------------------------------------------------------------
-def nearest_kept(features: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor, kept_valid: torch.Tensor,
-                 chunk: int = 512):
+def nearest_kept(features: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor | None,
+                 kept_valid: torch.Tensor | None, chunk: int = 512):
     """Cosine similarity of each evicted entry to its most similar kept entry (A1.4 step 4.1-2).
 
     features: ``(B, H, n, D)``; evicted: ``(B, H, e)`` entry indices; kept: ``(B, H, k)`` entry indices of the
     kept set, ``kept_valid`` ``(B, H, k)`` False at empty slots. Returns ``m`` ``(B, H, e)`` (max cosine) and
     ``target`` ``(B, H, e)`` (entry index). Memory is ``chunk x k`` per head (never n x n).
+    ``kept=None``: one evicted entry per (row, head) and every other entry kept (a decode step on an unpadded cache):
+    the same result without gathering the kept set or building its mask.
     """
     f = F.normalize(features.float(), dim=-1)
     d = f.shape[-1]
+    if kept is None:
+        fe = torch.gather(f, 2, evicted.unsqueeze(-1).expand(*evicted.shape, d))
+        u = torch.einsum("bhed,bhkd->bhek", fe, f).scatter(-1, evicted.unsqueeze(-1), float("-inf"))
+        return u.max(-1)
     fk = torch.gather(f, 2, kept.unsqueeze(-1).expand(*kept.shape, d))
     ms, targets = [], []
     for start in range(0, evicted.shape[-1], chunk):
@@ -155,13 +161,19 @@ def nearest_kept(features: torch.Tensor, evicted: torch.Tensor, kept: torch.Tens
     return torch.cat(ms, -1), torch.cat(targets, -1)
 
 
-def ema_gate(m: torch.Tensor, e_valid: torch.Tensor, tau: torch.Tensor, beta: float):
+def ema_gate(m: torch.Tensor, e_valid: torch.Tensor | None, tau: torch.Tensor, beta: float):
     """Merge decisions and the next threshold (A1.4 steps 4.3-4 and 5.3-4, A1.7 item 6).
 
     m, e_valid: ``(B, H, e)``; tau: ``(B, H)`` (NaN = not yet initialised). An uninitialised tau becomes the mean of
     this call's maxima and gates them (tau_0); an initialised one gates them first and is then updated
     tau = beta * mean(m) + (1 - beta) * tau (one evicted token per decode step, so mean(m) = m_t).
+    ``e_valid=None``: one real evicted entry per (row, head) (``e = 1``), the same arithmetic with half the kernels.
     """
+    if e_valid is None:
+        mean_m = m[..., 0].double()
+        fresh = torch.isnan(tau)
+        merge = m.double() >= torch.where(fresh, mean_m, tau).unsqueeze(-1)
+        return merge, torch.where(fresh, mean_m, beta * mean_m + (1 - beta) * tau)
     count = e_valid.sum(-1)
     mean_m = (m.masked_fill(~e_valid, 0.0).sum(-1) / count.clamp(min=1)).double()
     fresh = torch.isnan(tau) & (count > 0)
@@ -182,15 +194,22 @@ def merge_into(x: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, m: 
     flag = merge.float()
     m = m.float().masked_fill(~merge, 0.0)
     if weights == "weighted":
-        self_w, w, cnt = math.e, torch.exp(m) * flag, torch.exp(m) * flag
+        self_w, w = math.e, torch.exp(m) * flag
+        cnt = w
     elif weights == "average":
         self_w, w, cnt = 1.0, flag, flag
     elif weights == "official":
         self_w, w, cnt = 1.0, m * flag, flag
     else:
         raise ValueError(f"unknown merge weights {weights!r}")
-    xf = x.float()
     d = x.shape[-1]
+    if evicted.shape[-1] == 1:  # a decode step: one target per (row, head); update its row only
+        idx_t = target.unsqueeze(-1).expand(*target.shape, d)
+        xc = torch.gather(x, 2, idx_t)
+        xe = torch.gather(x, 2, evicted.unsqueeze(-1).expand(*evicted.shape, d)).float()
+        merged = (self_w * xc.float() + w.unsqueeze(-1) * xe) / (self_w + cnt).unsqueeze(-1)
+        return x.scatter(2, idx_t, torch.where((cnt > 0).unsqueeze(-1), merged.to(x.dtype), xc))
+    xf = x.float()
     xe = torch.gather(xf, 2, evicted.unsqueeze(-1).expand(*evicted.shape, d))
     num = torch.zeros_like(xf).scatter_add_(2, target.unsqueeze(-1).expand(*target.shape, d), w.unsqueeze(-1) * xe)
     den = torch.zeros(x.shape[:3], dtype=torch.float32, device=x.device).scatter_add_(2, target, cnt)
