@@ -223,3 +223,34 @@ def test_pending_methods_say_what_is_missing():
     implemented |= {"quest", "infllm", "pyramidinfer", "offload", "cla", "lococo"}
     implemented |= {"cam", "roco", "local", "lminfinite", "sirllm"}
     assert implemented <= set(METHODS.names())
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_h2o_decode_fast_path_equals_keep_top(rows):
+    """H2O's unpadded decode step evicts the lowest accumulated score outside the recent window directly; the
+    previous implementation (scores with the recent window at +inf, then keep_top) must agree at every step."""
+    from helpers import decode_step
+    from kvbench.engine.attention import grouped_attention
+    from kvbench.methods.base import keep_top
+
+    g = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(rows, h, 30, 8, generator=g) for h in (4, 2, 2))
+    layers = []
+    for _ in range(2):
+        layer = make_layer(k.clone(), v.clone())
+        method = H2O()
+        method.prefill(layer, prefill_ctx(q, layer, 12))
+        layers.append(layer)
+    fast, slow = layers
+    cap = torch.full((rows,), 12)
+    for step in range(8):
+        qq, kk, vv = (torch.randn(rows, h, 1, 8, generator=g) for h in (4, 2, 2))
+        decode_step(method, fast, qq, kk, vv, 12)
+        slow.update(kk, vv)
+        _, probs = grouped_attention(qq, slow.keys, slow.values, None, 8**-0.5)
+        slow.state["acc"] = slow.state["acc"] + probs.sum(3).mean(2)
+        keep_top(slow, method._scores(slow, slow.state["acc"], cap), cap)
+        for key in ("positions", "keys", "values"):
+            assert torch.equal(getattr(fast, key), getattr(slow, key)), (step, key)
+        assert torch.equal(fast.state["acc"], slow.state["acc"])
+    assert fast.num_entries == 12

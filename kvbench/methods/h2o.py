@@ -19,6 +19,7 @@ from kvbench.methods.base import (
     attend_with_column_sums,
     check_choice,
     check_positive,
+    host_ints,
     keep_top,
     prompt_column_sums,
     real_rank,
@@ -104,4 +105,20 @@ class H2O(Method):
         step = ctx.probs.sum(3)  # over the step's queries: (B, Hkv, g, entries)
         step = step.mean(2) if self.group_agg == "mean" else step.amax(2)
         layer.state["acc"] = layer.state["acc"] + step
+        if layer.valid is None:  # unpadded: decide on host ints, evict without building the recent mask
+            n, caps = layer.num_entries, host_ints(layer, ctx.capacity)
+            if all(n <= c for c in caps):
+                return
+            if all(n == c + 1 for c in caps):
+                recent = self._recent_host(tuple(caps))
+                if len(set(recent)) == 1:  # the lowest score outside the recent window (keep_top's argmin)
+                    layer.evict_one(layer.state["acc"][..., : n - recent[0]].argmin(-1))
+                    return
         keep_top(layer, self._scores(layer, layer.state["acc"], ctx.capacity), ctx.capacity)
+
+    def _recent_host(self, caps: tuple[int, ...]) -> list[int]:
+        """``_recent`` of host capacities, with the same float32 arithmetic (computed on the CPU, once per value)."""
+        cache = self.__dict__.setdefault("_recent_cache", {})
+        if caps not in cache:
+            cache[caps] = [int(x) for x in self._recent(torch.tensor(caps)).tolist()]
+        return cache[caps]
