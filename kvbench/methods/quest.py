@@ -13,14 +13,7 @@ import torch
 
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError
-from kvbench.methods.base import (
-    DecodeContext,
-    Method,
-    PrefillContext,
-    check_choice,
-    check_positive,
-    host_ints,
-)
+from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive, host_ints
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
