@@ -16,6 +16,8 @@ what ``generate`` needs to slice inputs and number positions; the physical lengt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -162,14 +164,7 @@ class KVLayer(DynamicLayer):
         keep = torch.arange(n - 1, device=index.device).expand(b, h, n - 1)
         keep = keep + (keep >= index.unsqueeze(-1)).long()
         idx4 = keep.unsqueeze(-1).expand(b, h, n - 1, self.keys.shape[-1])
-        self.keys = torch.gather(self.keys, 2, idx4)
-        self.values = torch.gather(self.values, 2, idx4)
-        self.positions = torch.gather(self.positions, -1, keep)
-        if self.valid is not None:
-            self.set_valid(torch.gather(self.valid, -1, keep))
-        self.state = {k: torch.gather(v, -1, keep) for k, v in self.state.items()}
-        if self.rope_pos is not None:
-            self.rope_pos = torch.gather(self.rope_pos, -1, keep)
+        self._map_entries(lambda t: torch.gather(t, 2, idx4), lambda t: torch.gather(t, -1, keep))
 
     def evict_at(self, index: int) -> None:
         """Evict the entry at ``index`` of every (batch, head): the same as ``evict_one`` with a constant index
@@ -178,13 +173,19 @@ class KVLayer(DynamicLayer):
         def drop(t: torch.Tensor, dim: int) -> torch.Tensor:
             return torch.cat([t.narrow(dim, 0, index), t.narrow(dim, index + 1, t.shape[dim] - index - 1)], dim)
 
-        self.keys, self.values = drop(self.keys, 2), drop(self.values, 2)
-        self.positions = drop(self.positions, -1)
+        self._map_entries(lambda t: drop(t, 2), lambda t: drop(t, -1))
+
+    def _map_entries(self, kv: Callable[[torch.Tensor], torch.Tensor],
+                     per_entry: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply an entry selection to every per-entry tensor: ``kv`` to keys and values ``(B, H, n, D)``,
+        ``per_entry`` to positions, validity, method state and RoPE positions ``(B, H, n)``."""
+        self.keys, self.values = kv(self.keys), kv(self.values)
+        self.positions = per_entry(self.positions)
         if self.valid is not None:
-            self.set_valid(drop(self.valid, -1))
-        self.state = {k: drop(v, -1) for k, v in self.state.items()}
+            self.set_valid(per_entry(self.valid))
+        self.state = {k: per_entry(v) for k, v in self.state.items()}
         if self.rope_pos is not None:
-            self.rope_pos = drop(self.rope_pos, -1)
+            self.rope_pos = per_entry(self.rope_pos)
 
 
 class KVCache(Cache):

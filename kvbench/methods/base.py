@@ -198,12 +198,13 @@ def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor | Sequence
     (``KVLayer.capacity_list``), so a decode step's single eviction never makes the host wait for the GPU.
     """
     if layer.valid is None:  # every (row, head) holds num_entries
-        n, caps = layer.num_entries, host_ints(layer, keep)
-        if all(n <= c for c in caps):
+        overflow = unpadded_overflow(layer, keep)
+        if overflow == 0:
             return
-        if all(n == c + 1 for c in caps):  # one eviction per decode step
+        if overflow == 1:  # one eviction per decode step
             layer.evict_one(scores.argmin(-1))
             return
+        caps = host_ints(layer, keep)
         k = max(caps)
         keep = torch.as_tensor(caps, device=scores.device)
     else:
@@ -218,6 +219,17 @@ def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor | Sequence
     chosen = torch.gather(scores, -1, index)
     keep_valid = keep_valid & (chosen > float("-inf"))
     layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
+
+
+def unpadded_overflow(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> int | None:
+    """On an unpadded cache, the entries every row must lose to fit ``keep`` when that number is the same for all rows
+    (0: every row fits; 1: a decode step's single eviction), from host ints only; None otherwise (padded cache, or
+    rows that differ): the caller's general path."""
+    if layer.valid is not None:
+        return None
+    n = layer.num_entries
+    overflow = {max(0, n - c) for c in host_ints(layer, keep)}
+    return overflow.pop() if len(overflow) == 1 else None
 
 
 def host_ints(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> list[int]:

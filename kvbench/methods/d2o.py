@@ -22,6 +22,7 @@ from kvbench.methods.base import (
     check_positive,
     prompt_column_sums,
     real_rank,
+    unpadded_overflow,
 )
 from kvbench.methods.d2o_ops import (
     ALLOCATIONS,
@@ -188,12 +189,12 @@ class D2O(Method):
         """Evict down to ``layer.capacity`` valid entries per (row, head), merging evicted entries (EMA gate)."""
         size, sinks, recent = layer.capacity.view(-1, 1), layer.row_state["d2o_sinks"], layer.row_state["d2o_recent"]
         if layer.valid is None:  # host-side checks (no wait for the GPU at every layer of every step)
-            n, caps = layer.num_entries, layer.capacity_list()
-            if all(n <= c for c in caps):
+            overflow = unpadded_overflow(layer, layer.capacity)
+            if overflow == 0:
                 return
-            one_eviction = all(n == c + 1 for c in caps)
+            one_eviction = overflow == 1
             t, r = self._host_split.get(layer_idx, ([], []))
-            if one_eviction and len(set(t)) == 1 and len(set(r)) == 1 and t[0] < n - r[0]:
+            if one_eviction and len(set(t)) == 1 and len(set(r)) == 1 and t[0] < layer.num_entries - r[0]:
                 self._evict_one(layer, t[0], r[0])
                 return
         counts = layer.valid_counts()  # (B, H)

@@ -23,6 +23,7 @@ from kvbench.methods.base import (
     keep_top,
     prompt_column_sums,
     real_rank,
+    unpadded_overflow,
 )
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
@@ -70,6 +71,7 @@ class H2O(Method):
             raise ConfigError(f"method 'h2o': recent_ratio={self.recent_ratio} must be in (0, 1)")
         # the prefill-only reading never looks at decode attention, so it keeps the fast decode path
         self.needs_decode_probs = self.variant == "paper"
+        self._recent_cache: dict[tuple[int, ...], list[int]] = {}  # host capacities -> recent sizes
 
     def min_budget_tokens(self) -> int:
         return self.window + 1 if self.variant == "prefill_only" else 2
@@ -105,20 +107,18 @@ class H2O(Method):
         step = ctx.probs.sum(3)  # over the step's queries: (B, Hkv, g, entries)
         step = step.mean(2) if self.group_agg == "mean" else step.amax(2)
         layer.state["acc"] = layer.state["acc"] + step
-        if layer.valid is None:  # unpadded: decide on host ints, evict without building the recent mask
-            n, caps = layer.num_entries, host_ints(layer, ctx.capacity)
-            if all(n <= c for c in caps):
+        overflow = unpadded_overflow(layer, ctx.capacity)  # unpadded: decided on host ints
+        if overflow == 0:
+            return
+        if overflow == 1:  # the lowest score outside the recent window (keep_top's argmin), without the mask
+            recent = self._recent_host(tuple(host_ints(layer, ctx.capacity)))
+            if len(set(recent)) == 1:
+                layer.evict_one(layer.state["acc"][..., : layer.num_entries - recent[0]].argmin(-1))
                 return
-            if all(n == c + 1 for c in caps):
-                recent = self._recent_host(tuple(caps))
-                if len(set(recent)) == 1:  # the lowest score outside the recent window (keep_top's argmin)
-                    layer.evict_one(layer.state["acc"][..., : n - recent[0]].argmin(-1))
-                    return
         keep_top(layer, self._scores(layer, layer.state["acc"], ctx.capacity), ctx.capacity)
 
     def _recent_host(self, caps: tuple[int, ...]) -> list[int]:
         """``_recent`` of host capacities, with the same float32 arithmetic (computed on the CPU, once per value)."""
-        cache = self.__dict__.setdefault("_recent_cache", {})
-        if caps not in cache:
-            cache[caps] = [int(x) for x in self._recent(torch.tensor(caps)).tolist()]
-        return cache[caps]
+        if caps not in self._recent_cache:
+            self._recent_cache[caps] = [int(x) for x in self._recent(torch.tensor(caps)).tolist()]
+        return self._recent_cache[caps]

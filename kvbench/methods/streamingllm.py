@@ -17,9 +17,9 @@ from kvbench.methods.base import (
     PrefillContext,
     check_choice,
     check_positive,
-    host_ints,
     keep_top,
     real_rank,
+    unpadded_overflow,
 )
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
@@ -76,7 +76,7 @@ class StreamingLLM(Method):
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper":
             return
-        if layer.valid is None and all(layer.num_entries == c + 1 for c in host_ints(layer, ctx.capacity)):
+        if unpadded_overflow(layer, ctx.capacity) == 1:
             layer.evict_at(self.sink_size)  # the usual step: the oldest token after the sinks leaves (rank = index)
             return
         keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)
