@@ -19,33 +19,49 @@ from kvbench.methods import METHODS, build_method
 from kvbench.methods.base import keep_top
 
 HOST_READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "item"}
+# ops that only make a new view of a tensor (no kernel on a GPU)
+VIEWS = {"view", "_unsafe_view", "unsqueeze", "squeeze", "expand", "narrow", "slice", "select", "alias", "t",
+         "transpose", "permute", "as_strided", "detach", "reshape", "split", "unbind", "_reshape_alias"}
 
 
-class CountHostReads(TorchDispatchMode):
-    """Counts ops whose result the host must wait for (scalar reads, data-dependent shapes)."""
+def is_host_read(name: str, args) -> bool:
+    """An op whose result the host must wait for (scalar reads, data-dependent shapes)."""
+    bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                         for i in (args[1] if len(args) > 1 else []) if i is not None)
+    return name in HOST_READS or bool_index
 
-    def __init__(self):
+
+def is_kernel(name: str, args) -> bool:
+    """An op that launches work on the device (not a view)."""
+    return name not in VIEWS
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the ops dispatched while active that ``which(name, args)`` selects."""
+
+    def __init__(self, which):
         super().__init__()
-        self.count = 0
+        self.which, self.count = which, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                             for i in (args[1] if len(args) > 1 else []) if i is not None)
-        if name in HOST_READS or bool_index:
-            self.count += 1
+        self.count += bool(self.which(func.overloadpacket.__name__, args))
         return func(*args, **(kwargs or {}))
+
+
+def _count(model, method_name, budget, new_tokens, which) -> int:
+    """Ops ``which`` selects over one greedy generation of ``new_tokens`` after a 200-token prompt."""
+    prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    b = Budget.parse(budget)
+    with CompressionSession(model, build_method({"name": method_name}, b), b), CountOps(which) as mode:
+        greedy_generate(model, [prompt], new_tokens, [], 0)
+    return mode.count
 
 
 def _host_reads(model, method_name, budget, new_tokens, monkeypatch) -> int:
     tolist_calls = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolist_calls.append(1) or real_tolist(self))
-    prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    b = Budget.parse(budget)
-    with CompressionSession(model, build_method({"name": method_name}, b), b), CountHostReads() as mode:
-        greedy_generate(model, [prompt], new_tokens, [], 0)
-    return mode.count + len(tolist_calls)
+    return _count(model, method_name, budget, new_tokens, is_host_read) + len(tolist_calls)
 
 
 # not runnable on a random CPU model: CLA and LoCoCo need trained checkpoints, offload needs CUDA (its own test)
@@ -54,9 +70,9 @@ NOT_ON_TOY = {"cla", "lococo", "offload"}
 
 @pytest.mark.parametrize("method", sorted(set(METHODS.names()) - NOT_ON_TOY))
 def test_a_decode_step_reads_the_device_at_most_twice(toy_llama, method, monkeypatch):
-    """Per decode step: the greedy loop's one read of the new tokens and one of their EOS flags, nothing per layer
-    (every method: CaM, RoCo and Quest read their capacity, InfLLM its block bookkeeping and the engine the attended
-    count of padded caches at every layer until #7's GPU pass)."""
+    """Per decode step: the greedy loop's one read of the new tokens and one of their EOS flags, nothing per layer,
+    for every method (CaM, RoCo and Quest used to read their capacity at every layer, InfLLM its block bookkeeping,
+    and the engine the attended count of padded caches)."""
     budget = None if method == "fullkv" else 64
     short = _host_reads(toy_llama, method, budget, 2, monkeypatch)
     long = _host_reads(toy_llama, method, budget, 10, monkeypatch)
@@ -135,31 +151,9 @@ def test_keep_top_takes_python_ints_or_a_tensor_and_capacity_is_read_once():
     assert layer.capacity_list() == [3, 2]
 
 
-# ops that only make a new view of a tensor (no kernel on a GPU)
-VIEWS = {"view", "_unsafe_view", "unsqueeze", "squeeze", "expand", "narrow", "slice", "select", "alias", "t",
-         "transpose", "permute", "as_strided", "detach", "reshape", "split", "unbind", "_reshape_alias"}
-
-
-class CountKernels(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ not in VIEWS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _kernels_per_layer_step(model, method_name, budget) -> float:
-    prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    counts = []
-    for new_tokens in (2, 10):
-        b = Budget.parse(budget)
-        with CompressionSession(model, build_method({"name": method_name}, b), b), CountKernels() as mode:
-            greedy_generate(model, [prompt], new_tokens, [], 0)
-        counts.append(mode.count)
-    return (counts[1] - counts[0]) / 8 / model.config.num_hidden_layers
+    short, long = (_count(model, method_name, budget, n, is_kernel) for n in (2, 10))
+    return (long - short) / 8 / model.config.num_hidden_layers
 
 
 def test_streamingllm_decode_costs_one_concatenation_per_tensor_over_fullkv(toy_llama):
