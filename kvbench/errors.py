@@ -27,3 +27,8 @@ def invalid_choice(kind: str, value: object, choices: Iterable[str]) -> ConfigEr
     """`unknown method 'snapkvv'; valid methods: fullkv, h2o, ...`"""
     valid = ", ".join(sorted(str(c) for c in choices))
     return ConfigError(f"unknown {kind} {value!r}; valid {kind}s: {valid}")
+
+
+class CompressionInactiveError(KVBenchError):
+    """A method with a finite budget did not act on the model (no cache layer attached, or a prompt longer than the
+    budget left uncompressed): the job stops rather than report FullKV numbers under the method's name."""

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from kvbench.budget import Budget
-from kvbench.engine import CompressionSession, KVCache, greedy_generate
-from kvbench.engine.session import rotate_keys
+from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate
+from kvbench.engine.rope import rotate_keys
 from kvbench.methods import build_method
+
+pytestmark = pytest.mark.compat  # also run on the lowest supported transformers and torch (.ci/run)
 
 NEVER_EOS = [255]
 
@@ -43,7 +45,7 @@ def test_compressed_cache_inside_model_generate_equals_engine_loop(toy_llama, me
         hf = toy_llama.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, 150:].tolist()
     with CompressionSession(toy_llama, m, b):
         hf_kvcache = toy_llama.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                        past_key_values=KVCache())[0, 150:].tolist()
+                                        **cache_kwargs(toy_llama, KVCache()))[0, 150:].tolist()
     out, _ = _run(toy_llama, method, 48, [prompt], new=10)
     assert out.tokens[0] == hf == hf_kvcache
 
@@ -104,7 +106,7 @@ def test_compact_positions_are_a_noop_without_eviction_and_differ_with_it(toy_ll
     m = build_method({"name": "streamingllm"}, b)
     with CompressionSession(toy_llama, m, b, position_mode="compact") as s:
         cache = KVCache()
-        toy_llama(torch.tensor([_prompt(100, 7)]), past_key_values=cache, use_cache=True)
+        toy_llama(torch.tensor([_prompt(100, 7)]), **cache_kwargs(toy_llama, cache), use_cache=True)
     layer = cache.layers[0]
     # kept entries are re-rotated so they sit contiguously just before the next query position (100)
     assert layer.rope_pos[0, 0].tolist() == list(range(76, 100))
@@ -144,3 +146,28 @@ def test_finish_prefill_sees_every_layer_and_stats_follow_it(toy_llama):
     assert session.stats.layer_entries_after_prefill == [5, 5, 5]
     assert session.stats.resident_kv_bytes_after_prefill == 3 * 5 * 2 * 16 * 2 * 4
     assert out.resident_kv_bytes_final == 3 * 8 * 2 * 16 * 2 * 4  # + 3 generated tokens appended
+
+
+@pytest.mark.parametrize("method, fields", [
+    ("snapkv", {}), ("pyramidkv", {"schedule": "kvfactory_2409"}), ("h2o", {}), ("h2o", {"variant": "kvfactory_2410"}),
+    ("streamingllm", {"variant": "kvfactory", "window": None}), ("cam", {"variant": "prefill_only", "window": 8}),
+])
+def test_query_head_granularity_caches_query_heads(toy_llama, method, fields):
+    """granularity=query_head (KVCache-Factory's default): K/V repeated to the 4 query heads before selection, each
+    keeps its own tokens; resident bytes count the stored heads (twice the 2 KV heads' bytes), decode appends
+    repeated heads."""
+    prompt = _prompt(160, 8)
+    b = Budget.parse(40)
+    runs = {}
+    for granularity in ("kv_head", "query_head"):
+        m = build_method({"name": method, **fields, "granularity": granularity}, b)
+        with CompressionSession(toy_llama, m, b) as session:
+            out = greedy_generate(toy_llama, [prompt], 6, NEVER_EOS, 0)
+        runs[granularity] = (out, session.stats)
+    (kv_out, kv_stats), (q_out, q_stats) = runs["kv_head"], runs["query_head"]
+    assert q_stats.layer_entries_after_prefill == kv_stats.layer_entries_after_prefill
+    assert q_stats.resident_kv_bytes_after_prefill == 2 * kv_stats.resident_kv_bytes_after_prefill
+    assert q_out.resident_kv_bytes_final == 2 * kv_out.resident_kv_bytes_final
+    assert len(q_out.tokens[0]) == 6
+    if method == "streamingllm":  # no scores: the same tokens, so the same outputs
+        assert q_out.tokens == kv_out.tokens

@@ -18,6 +18,7 @@ _EXPORTS = {
     "GenerationOutput": "kvbench.engine.generate",
     "teacher_forced_logprobs": "kvbench.engine.teacher_forcing",
     "TokenScores": "kvbench.engine.teacher_forcing",
+    "cache_kwargs": "kvbench.engine.compat",
 }
 
 __all__ = list(_EXPORTS)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbench.errors import NotAvailableError
 
@@ -154,6 +154,22 @@ class KVLayer(DynamicLayer):
         if self.rope_pos is not None:
             self.rope_pos = torch.gather(self.rope_pos, -1, index)
 
+    def repeat_heads(self, group: int) -> None:
+        """Hold ``group`` copies of every head side by side, ``(B, H, n, D)`` -> ``(B, H * group, n, D)`` with head h
+        on h // group (transformers' ``repeat_kv``), positions, validity, method state and RoPE positions included: a
+        query-head-granular cache (KVCache-Factory's default, DynamicKV's official layout), on which a method selects
+        per query head. ``update`` then repeats new KV heads the same way, and resident bytes count every copy."""
+        if group <= 1:
+            return
+        self.keys = self.keys.repeat_interleave(group, dim=1)
+        self.values = self.values.repeat_interleave(group, dim=1)
+        self.positions = self.positions.repeat_interleave(group, dim=1)
+        if self.valid is not None:
+            self.valid = self.valid.repeat_interleave(group, dim=1)
+        self.state = {k: v.repeat_interleave(group, dim=1) for k, v in self.state.items()}
+        if self.rope_pos is not None:
+            self.rope_pos = self.rope_pos.repeat_interleave(group, dim=1)
+
     def evict_one(self, index: torch.Tensor) -> None:
         """Evict one entry per (batch, head): ``index`` ``(batch, heads)``; the others keep their order.
 
@@ -174,6 +190,26 @@ class KVLayer(DynamicLayer):
             return torch.cat([t.narrow(dim, 0, index), t.narrow(dim, index + 1, t.shape[dim] - index - 1)], dim)
 
         self._map_entries(lambda t: drop(t, 2), lambda t: drop(t, -1))
+
+    def drop_oldest(self, count: int) -> None:
+        """Evict the ``count`` oldest entries of every (batch, head) (views of the rest, as transformers' sliding
+        cache keeps ``full[:, :, -(window - 1):]``): a sliding layer that no method touches is a contiguous tail."""
+        if count > 0:
+            self._map_entries(lambda t: t[:, :, count:], lambda t: t[..., count:])
+
+    def keep_after(self, first: torch.Tensor) -> None:
+        """Keep only entries at positions ``>= first`` ``(B, 1, 1)`` (a sliding window's reach after a method evicted
+        inside it, so rows and heads may lose different numbers): a gather, invalid slots where a row keeps fewer."""
+        keep = self.positions >= first
+        if self.valid is not None:
+            keep = keep & self.valid
+        if bool(keep.all()):
+            return
+        k = int(keep.sum(-1).max())
+        order = torch.where(keep, self.positions, -1)
+        index = torch.topk(order, k, dim=-1).indices
+        keep_valid = torch.gather(keep, -1, index)
+        self.gather(index, None if bool(keep_valid.all()) else keep_valid)
 
     def _map_entries(self, kv: Callable[[torch.Tensor], torch.Tensor],
                      per_entry: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -205,10 +241,12 @@ def ensure_kv_layer(cache: Cache, layer_idx: int) -> KVLayer:
     layer = cache.layers[layer_idx]
     if isinstance(layer, KVLayer):
         return layer
-    if type(layer) is not DynamicLayer:
+    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer):  # what DynamicCache(config=...) builds
         raise TypeError(f"kvbench cannot compress a {type(layer).__name__} cache layer; use a DynamicCache or KVCache")
     new = KVLayer()
     if layer.is_initialized and layer.keys is not None and layer.keys.numel():
+        # a sliding layer holds the last tokens of ``cumulative_length`` seen: positions continue from there
+        new.seen = int(getattr(layer, "cumulative_length", layer.keys.shape[-2])) - layer.keys.shape[-2]
         new.update(layer.keys, layer.values)
     cache.layers[layer_idx] = new
     return new

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import faults
+from kvbench.engine.attention import ACTIVE_SESSION
 from kvbench.engine.cache import KVCache
+from kvbench.engine.compat import cache_kwargs
 
 
 @dataclass
@@ -56,11 +58,14 @@ def greedy_generate(
     tokens: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
 
+    session = ACTIVE_SESSION.get()
+    if session is not None and hasattr(session, "reserve"):  # engine.compile: slots for the tokens to come
+        session.reserve(max_new_tokens)
     _sync(device)
     t0 = time.perf_counter()
     out = model(
         input_ids=ids, attention_mask=mask if padded else None, position_ids=position_ids,
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
+        **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1,
     )
     next_token = out.logits[:, -1, :].argmax(-1)
     _sync(device)
@@ -90,7 +95,7 @@ def greedy_generate(
         mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=-1)
         out = model(
             input_ids=next_token.view(-1, 1), attention_mask=mask if padded else None, position_ids=last_pos,
-            past_key_values=cache, use_cache=True,
+            **cache_kwargs(model, cache), use_cache=True,
         )
         next_token = out.logits[:, -1, :].argmax(-1)
         steps += 1

@@ -22,10 +22,22 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.budget import Budget
+from kvbench.engine.architecture import (
+    SLIDING_POLICIES,
+    LayerAttention,
+    attention_modules,
+    compressed_layers,
+    layer_attention,
+    resolve_policy,
+)
 from kvbench.engine.attention import ACTIVE_SESSION, backend_function, grouped_attention, register_backends
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
+from kvbench.engine.compat import find_cache, output_cache, versions_line
+from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
-from kvbench.errors import ConfigError, NotAvailableError
+from kvbench.engine.rope import rotate_keys
+from kvbench.engine.static import StaticKVLayer, StaticPolicy
+from kvbench.errors import CompressionInactiveError, ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_rank
 
 _ROTATABLE_ROPE = ("default", "linear", "llama3")
@@ -50,13 +62,30 @@ class SessionStats:
 
 
 class CompressionSession:
-    def __init__(self, model, method: Method, budget: Budget, position_mode: str = "original"):
+    """``sliding_layers`` (``engine.architecture``): ``window`` leaves sliding-window layers to their window and lets
+    the method compress the full-attention layers (seeing them as layers ``0 .. L'-1`` of an ``L'``-layer model, so
+    per-layer allocations spread the budget over the layers they compress); ``compress`` applies the method inside
+    every sliding layer's window too (its tokens are the window's, its budget at most ``window - 1``); ``auto``
+    (default) is ``window``, or ``compress`` on a model whose every layer slides (Mistral v0.1)."""
+
+    def __init__(self, model, method: Method, budget: Budget, position_mode: str = "original",
+                 sliding_layers: str = "auto", compile: bool | str = False):
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"position_mode={position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
+        if sliding_layers not in SLIDING_POLICIES:
+            raise ConfigError(f"sliding_layers={sliding_layers!r} is not valid; valid: {', '.join(SLIDING_POLICIES)}")
         self.model = model
         self.method = method
         self.budget = budget
         self.position_mode = position_mode
+        self.sliding_layers = sliding_layers
+        #: engine.compile: after prefill every layer becomes a fixed-capacity StaticKVLayer and each decode step runs
+        #: one compiled function per layer (engine/static.py)
+        self.compile = compile
+        self._static_step = None
+        self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
+        self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
+        self._cache = None  # the cache container of the current forward (its layers are replaced by static ones)
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -70,13 +99,18 @@ class CompressionSession:
         self._hidden: torch.Tensor | None = None  # needs_logits: its final hidden states (B, q, H)
         self._previous: torch.Tensor | None = None  # needs_logits: log-softmax of the previous forward's last position
         self._prefill_forward = False
+        self._attention_layers: set[int] = set()  # layer_idx of every attention module hooked
+        self.layer_specs: dict[int, LayerAttention] = {}  # how each attention layer attends (window, soft-cap, sinks)
+        #: the layers the method acts on, in order; the method sees layer ``compressed[i]`` as its layer ``i``
+        self.compressed: list[int] = []
+        self._method_index: dict[int, int] = {}
+        self._verified: set[int] = set()  # layers whose reading matched the model's own mask (_verify_layer_reading)
+        self._attached: set[int] = set()  # layers that attended through a KVLayer in the current forward
+        self._checked_decode = False  # the first decode step's compression check ran (methods that act then)
+        self._first_step_attended: list = []  # attended entries of the compressed layers at the first decode step
         self._inv_freq = self._rope_inv_freq() if position_mode == "compact" else None
         #: RoPE frequencies for methods that re-rotate keys (LM-Infinite's distance ceiling); None if not rotatable
         self.rope_inv_freq = self._inv_freq if self._inv_freq is not None else self._rope_inv_freq(strict=False)
-        #: prompts up to this many tokens get plain causal attention (sliding windows, soft-capping: 0 = never)
-        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) is not False else None
-        capped = getattr(cfg, "attn_logit_softcapping", None) is not None
-        self._plain_causal_upto = 0 if capped else (int(window) if window else 1 << 62)
 
     # ---- context management ----------------------------------------------------------------------------------
     def __enter__(self) -> CompressionSession:
@@ -88,9 +122,38 @@ class CompressionSession:
                 f"attention implementation {base!r} is not supported; valid: sdpa, eager, flash_attention_2"
             )
         self.model.set_attn_implementation(f"kvbench_{base}")
-        for module in self.model.modules():
-            if hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention"):
-                self._hooks.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        for idx, module in attention_modules(self.model).items():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self._attention_layers.add(idx)
+            self.layer_specs[idx] = layer_attention(getattr(module, "config", self.model.config), module)
+        self._last_attention_layer = max(self._attention_layers, default=-1)
+        if not self._attention_layers:
+            self.__exit__()
+            raise CompressionInactiveError(
+                f"kvbench found no attention module with a layer index in {type(self.model).__name__}: it cannot "
+                f"attach its cache layers, so no method could act ({versions_line()})"
+            )
+        self.sliding_policy = resolve_policy(self.sliding_layers, self.layer_specs)
+        self.compressed = compressed_layers(self.layer_specs, self.sliding_policy)
+        self._method_index = {layer: i for i, layer in enumerate(self.compressed)}
+        if not self.budget.is_full:
+            try:
+                self.method.check_layers(len(self.compressed))
+            except ConfigError:
+                self.__exit__()
+                raise
+        if self.compile:
+            self._check_static()
+        if not self.compressed and not self.budget.is_full:
+            self.__exit__()
+            raise ConfigError(
+                f"sliding_layers={self.sliding_layers} leaves method {self.method.name!r} no layer to compress: every "
+                f"layer of {type(self.model).__name__} is a sliding window; use sliding_layers=compress or auto"
+            )
+        self._hooks += [
+            self.model.register_forward_pre_hook(self._start_forward, with_kwargs=True),
+            self.model.register_forward_hook(self._check_forward, with_kwargs=True),
+        ]
         if self.method.needs_logits:
             _check_plain_logit_head(self.model)
             self._hooks += [
@@ -105,12 +168,87 @@ class CompressionSession:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        ACTIVE_SESSION.reset(self._token)
+        if self._token is not None:
+            ACTIVE_SESSION.reset(self._token)
+            self._token = None
         self.model.set_attn_implementation(self._orig_impl)
 
     def _pre_hook(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = find_cache(kwargs)
+        self._cache = cache
         self._layers[module.layer_idx] = None if cache is None else ensure_kv_layer(cache, module.layer_idx)
+
+    # ---- engine.compile: fixed-capacity layers, one compiled step per layer ------------------------------------
+    def reserve(self, decode_tokens: int) -> None:
+        """The generation loop announces how many tokens it may append (the slots a method that never evicts needs)."""
+        self._reserve = decode_tokens
+
+    def _check_static(self) -> None:
+        """Refuse a method without a static decode step (``Method.static_policy``), before any forward."""
+        if any(self.layer_specs[i].sliding for i in self.compressed):
+            self.__exit__()
+            raise ConfigError("engine.compile=true does not run methods inside sliding windows (sliding_layers="
+                              f"{self.sliding_policy}); use sliding_layers=window or engine.compile=false")
+        if not self.budget.is_full and self.method.static_policy(1 << 30) is None:
+            self.__exit__()
+            raise ConfigError(
+                f"engine.compile=true: method {self.method.name!r} has no static decode step (it merges, attends "
+                f"itself or scores by the logits; see the README's engine.compile line); use engine.compile=false"
+            )
+
+    def _to_static(self) -> None:
+        """After prefill: every layer becomes a StaticKVLayer with the slots its decode steps need."""
+        from kvbench.engine.static import compiled_step
+
+        if self._static_step is None:
+            if isinstance(self.compile, str):  # a torch.compile backend by name ("eager": capture only, for tests)
+                self._static_step = compiled_step(self.compile, None)
+            else:  # CUDA graphs on a GPU (the host launches one graph per layer); inductor's kernels on a CPU
+                self._static_step = compiled_step(None, "reduce-overhead" if self.model.device.type == "cuda" else None)
+        self._static.clear()
+        for idx in sorted(self._attention_layers):
+            layer, spec = self._layers[idx], self.layer_specs[idx]
+            caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
+            if idx in self._method_index and not self.budget.is_full:
+                policy = self.method.static_policy(max(caps))
+            else:
+                policy = StaticPolicy()
+            if spec.sliding and policy.evict == "none":  # the window: the oldest entry leaves past window - 1
+                policy, caps = StaticPolicy("oldest"), [spec.window - 1] * len(caps)
+            extra = 1 if policy.evict != "none" else max(1, self._reserve)
+            static = StaticKVLayer.from_layer(layer, extra, policy.accumulate)
+            self._cache.layers[idx] = self._layers[idx] = static
+            capacity = torch.tensor(caps, device=static.keys.device).view(-1, 1, 1)
+            self._static[idx] = (policy, capacity)
+
+    def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
+        policy, capacity = self._static[idx]
+        out = self._static_step(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"),
+                                capacity, query, scaling, policy.evict, policy.sinks, policy.recent)
+        self.stats.attended_entries_sum += layer.valid.sum() // layer.valid[..., 0].numel() + (
+            1 if policy.evict != "none" else 0)  # the evicted entry was attended before it left
+        self.stats.decode_layer_calls += 1
+        return out, None
+
+    # ---- compression is verified, never assumed -----------------------------------------------------------------
+    def _start_forward(self, module, args, kwargs):
+        self._attached.clear()
+        self._use_cache = kwargs.get("use_cache")
+
+    def _check_forward(self, module, args, kwargs, output):
+        """After every forward of the model: a cached forward must have attended through a KVLayer on every attention
+        layer. A transformers release that passes the cache under a new name, or an architecture whose attention does
+        not go through ``AttentionInterface``, stops the job here instead of running FullKV under the method's name."""
+        if self._use_cache is False or (self._use_cache is None and output_cache(output) is None):
+            return  # no cache: nothing to compress (a scoring forward)
+        missing = sorted(self._attention_layers - self._attached)
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            raise CompressionInactiveError(
+                f"method {self.method.name!r} was not attached to attention layer(s) {shown} of "
+                f"{type(self.model).__name__} in a cached forward (kvbench found no cache layer there); refusing to "
+                f"report FullKV numbers under its name; {versions_line()}"
+            )
 
     # ---- the model's predictions, for methods that need them (needs_logits) ----------------------------------------
     def _capture_input_ids(self, module, args, kwargs):
@@ -122,7 +260,7 @@ class CompressionSession:
 
     def _observe_logits(self, module, args, kwargs, output):
         prefill, self._prefill_forward = self._prefill_forward, False
-        layers = [self._layers.get(i) for i in range(self.num_layers)]
+        layers = [self._layers.get(i) for i in sorted(self._attention_layers)]
         if any(layer is None for layer in layers) or self._hidden is None:
             return  # use_cache=False: no cache to act on
         if self._input_ids is None:
@@ -130,20 +268,25 @@ class CompressionSession:
                                     "input_ids (inputs_embeds were given)")
         logits = TokenLogits(self._hidden, self.model.get_output_embeddings(), None if prefill else self._previous)
         if not self.budget.is_full:
-            self.method.observe_logits(layers, self._input_ids, logits)
+            self.method.observe_logits([self._layers[i] for i in self.compressed], self._input_ids, logits)
         self._previous = logits.last()
         if prefill:  # the method may have compressed the prompt only now: measure what stays
-            self._record_prefill_stats(layers)
+            self._record_prefill_stats(layers, check=True)
 
     # ---- the attention call ------------------------------------------------------------------------------------
     def attend(self, impl, module, query, key, value, attention_mask, **kwargs):
         layer = self._layers.get(module.layer_idx)
         backend = backend_function(impl)
-        if layer is None:  # use_cache=False: nothing to compress
+        if layer is None:  # use_cache=False: nothing to compress (a cached forward fails in _check_forward)
             return backend(module, query, key, value, attention_mask, **kwargs)
+        self._attached.add(module.layer_idx)
+        idx = module.layer_idx
         q_len = query.shape[2]
         position_ids = kwargs.get("position_ids")
-        if position_ids is not None:
+        static = isinstance(layer, StaticKVLayer)
+        if position_ids is not None and static:
+            layer.assign_positions(position_ids.view(position_ids.shape[0], 1, -1)[..., -1:])
+        elif position_ids is not None:
             pos = position_ids.view(position_ids.shape[0], 1, -1)[..., -q_len:]
             layer.positions[..., -q_len:] = pos.expand(layer.positions.shape[0], layer.positions.shape[1], q_len)
             if layer.rope_pos is not None:
@@ -151,95 +294,224 @@ class CompressionSession:
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         if layer.seen == q_len:
             return self._prefill(backend, module, layer, query, key, value, attention_mask, scaling, kwargs)
-        return self._decode(backend, module, layer, query, attention_mask, scaling, kwargs)
+        if static:
+            return self._static_decode(layer, idx, query, scaling)
+        return self._decode(backend, module, layer, query, scaling, kwargs)
 
     def _prefill(self, backend, module, layer, query, key, value, attention_mask, scaling, kwargs):
         b, n = query.shape[0], query.shape[2]
-        if module.layer_idx == 0:  # padding, prompt lengths and budgets are the same for every layer of a forward
+        idx, spec = module.layer_idx, self.layer_specs[module.layer_idx]
+        if idx == 0:  # padding, prompt lengths and budgets are the same for every layer of a forward
             self._prefill_forward = True
             key_valid = _key_valid(attention_mask, n)
             prompt_lens = key_valid.sum(-1) if key_valid is not None else torch.full((b,), n, device=query.device)
             capacity = torch.tensor([self.budget.tokens_for(int(x)) for x in prompt_lens], device=query.device)
             self._prompt = (key_valid, prompt_lens, capacity)
             self.stats = SessionStats(prompt_lens=[int(x) for x in prompt_lens])
+            self._static.clear()
+            self._first_step_attended = []
+            self._check_budget_minimum()
+            self._checked_decode = False
         key_valid, prompt_lens, capacity = self._prompt
         if key_valid is not None:
             layer.set_valid(key_valid.view(b, 1, n).expand(b, layer.keys.shape[1], n).clone())
+        if idx not in self._verified:
+            self._verify_layer_reading(idx, spec, attention_mask, n, key_valid)
+        acts = not self.budget.is_full and idx in self._method_index
+        # the prompt's attention is plain causal softmax attention, which a method may compute itself
+        plain = spec.softcap is None and spec.sinks is None and (spec.window is None or n < spec.window)
         ctx = PrefillContext(
-            layer_idx=module.layer_idx, num_layers=self.num_layers, num_heads=self.num_heads,
+            layer_idx=self._method_index.get(idx, idx), num_layers=len(self.compressed), num_heads=self.num_heads,
             num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
-            prompt_lens=prompt_lens, capacity=capacity, rope_inv_freq=self.rope_inv_freq,
-            plain_causal=n <= self._plain_causal_upto,
+            prompt_lens=prompt_lens, capacity=capacity, rope_inv_freq=self.rope_inv_freq, plain_causal=plain,
         )
-        out = None if self.budget.is_full else self.method.prefill_attend(layer, ctx)  # Λ-masks (LM-Infinite, CaM)
+        windowed = spec.sliding and n >= spec.window  # the layer's reach is shorter than the prompt
+        out = self.method.prefill_attend(layer, ctx) if acts and not windowed else None  # Λ-masks (LM-Infinite, CaM)
         if out is None:
             out, _ = backend(module, query, key, value, attention_mask, **kwargs)
-        layer.capacity = capacity
-        if not self.budget.is_full:
+        prompt_ctx = ctx
+        if windowed:  # the next query reaches back window - 1 tokens: nothing older stays
+            layer.drop_oldest(n - (spec.window - 1))
+            if acts:  # sliding_layers=compress: the method sees the window's tokens as its prompt
+                ctx = _window_context(ctx, layer)
+                self.method.prefill_attend(layer, ctx)  # its state only: the prompt's attention is the model's
+        layer.capacity = ctx.capacity
+        if acts:
             self.method.prefill(layer, ctx)
-        if module.layer_idx == self.num_layers - 1:
-            self._finish_prefill(ctx)
+        if idx == self._last_attention_layer:
+            self._finish_prefill(prompt_ctx)
         return out, None
+
+    def _verify_layer_reading(self, idx: int, spec: LayerAttention, mask, n: int, key_valid) -> None:
+        """Once per layer, at the first prefill whose prompt exceeds the layer's window (or any, for a full layer):
+        the engine's reading of the layer (full, or a window of w) must match the mask the model built, whose last
+        row lets the last query see exactly ``spec.visible_keys(n)`` real keys. A family whose window kvbench misreads
+        fails here, in one line, instead of decoding with the wrong reach. Masks the model does not materialise (the
+        sdpa and flash paths without padding) tell nothing and are not checked."""
+        if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != n:
+            return
+        if spec.sliding and n <= spec.window:
+            return  # the window is not visible yet: check at a longer prompt
+        row = mask[0, 0, -1, :n]
+        seen = int((row if row.dtype == torch.bool else row == 0).sum())
+        padding = 0 if key_valid is None else int((~key_valid[0]).sum())
+        expected = spec.visible_keys(n - padding) if spec.sliding else n - padding
+        self._verified.add(idx)
+        if seen != expected:
+            raise CompressionInactiveError(
+                f"kvbench reads attention layer {idx} of {type(self.model).__name__} as {spec.describe()}, but the "
+                f"model's mask lets the last of {n} queries see {seen} keys (expected {expected}); refusing to run a "
+                f"model kvbench would change; {versions_line()}"
+            )
+
+    def _check_budget_minimum(self) -> None:
+        """A ratio budget that would compress a row's prompt below the method's minimum (SnapKV's observation window)
+        stops the job, as ``Method.validate`` refuses such a token budget (host ints only)."""
+        for n in self.stats.prompt_lens:
+            self.method.check_resolved_budget(self.budget, n, f"for a prompt of {n} tokens")
 
     def _finish_prefill(self, ctx: PrefillContext) -> None:
         """After the last layer: cross-layer decisions (D2O's allocation, DynamicKV's last update), then stats."""
-        layers = [self._layers[i] for i in range(self.num_layers)]
+        layers = [self._layers[i] for i in sorted(self._attention_layers)]
         if not self.budget.is_full:
-            self.method.finish_prefill(layers, ctx)
-        for layer in layers:
-            self._rerotate(layer)
-        self._record_prefill_stats(layers)
+            self.method.finish_prefill([self._layers[i] for i in self.compressed], ctx)
+        for i in self.compressed:  # compact positions are the compressed layers' (their RoPE: _rope_inv_freq)
+            self._rerotate(self._layers[i])
+        # a method that scores by the model's predictions evicts only in observe_logits: it checks there
+        self._record_prefill_stats(layers, check=not self.method.needs_logits)
+        if self.compile:
+            self._to_static()
 
-    def _record_prefill_stats(self, layers: list[KVLayer]) -> None:
+    def _record_prefill_stats(self, layers: list[KVLayer], check: bool) -> None:
         self.stats.resident_kv_bytes_after_prefill = sum(layer.resident_bytes() for layer in layers)
         # mean over KV heads of row 0 (heads can keep different numbers: KVMerger's ragged sets); one device read
         means = torch.stack([layer.valid_counts()[0].float().mean() for layer in layers]).tolist() if layers else []
         self.stats.layer_entries_after_prefill = [int(m) if m.is_integer() else round(m, 2) for m in means]
+        if check and self._expected_compression() == "prefill":
+            self._check_evicted("after prefill")
 
-    def _decode(self, backend, module, layer, query, attention_mask, scaling, kwargs):
-        capacity = layer.capacity
+    def _expected_compression(self) -> str:
+        """What this sample's longest prompt must show for the method ("prefill", "decode", "attention") or "none"
+        (a full budget, a prompt within the budget, a method that keeps everything): host ints only."""
+        if self.budget.is_full or not self.stats.prompt_lens:
+            return "none"
+        return self.method.expected_compression(self.budget, max(self.stats.prompt_lens), len(self.compressed))
+
+    def _check_evicted(self, when: str) -> None:
+        """An evicting method on a prompt longer than the budget must have shrunk some layer it compresses below what
+        the layer holds uncompressed (its window, for a sliding layer); host ints only."""
+        layers = [self._layers[i] for i in self.compressed]
+        full = [self._uncompressed_entries(i) for i in self.compressed]
+        budget = self.budget.tokens_for(max(self.stats.prompt_lens))
+        must = [(layer, size) for layer, size in zip(layers, full) if size > budget]
+        if must and all(layer.num_entries >= size for layer, size in must):
+            n = max(self.stats.prompt_lens)
+            raise CompressionInactiveError(
+                f"method {self.method.name!r} at budget={self.budget.label()} kept all {n} tokens of the prompt in "
+                f"every layer {when} (resident KV = the uncompressed size); refusing to report FullKV numbers under "
+                f"its name; {versions_line()}"
+            )
+
+    def _uncompressed_entries(self, idx: int) -> int:
+        """Entries layer ``idx`` holds with nothing compressed: the tokens seen, at most ``window - 1`` when sliding."""
+        seen, window = self._layers[idx].seen, self.layer_specs[idx].window
+        return seen if window is None else min(seen, window - 1)
+
+    def _check_first_decode_step(self) -> None:
+        """Once per sample, after the first decode step's last layer: methods that evict at decode time must have
+        shrunk the cache; methods that restrict attention must have attended to fewer entries than the prompt."""
+        self._checked_decode = True
+        expected = self._expected_compression()
+        if expected == "decode":
+            self._check_evicted("after the first decode step")
+        elif expected == "attention":  # over the layers the method acts on (sliding ones attend their window)
+            steps = self._first_step_attended
+            attended = float(sum(steps)) / len(steps) if steps else 0.0
+            n = max(self.stats.prompt_lens)
+            if attended >= n:
+                raise CompressionInactiveError(
+                    f"method {self.method.name!r} at budget={self.budget.label()} attended to {attended:.0f} entries "
+                    f"per layer and head at its first decode step, the whole {n}-token prompt and more; refusing to "
+                    f"report FullKV numbers under its name; {versions_line()}"
+                )
+
+    def _decode(self, backend, module, layer, query, scaling, kwargs):
+        idx, spec = module.layer_idx, self.layer_specs[module.layer_idx]
+        acts = idx in self._method_index
         ctx = DecodeContext(
-            layer_idx=module.layer_idx, num_layers=self.num_layers, num_kv_heads=layer.values.shape[1],
-            query=query, probs=None, capacity=capacity, scaling=scaling, rope_inv_freq=self.rope_inv_freq,
+            layer_idx=self._method_index.get(idx, idx), num_layers=len(self.compressed),
+            num_kv_heads=layer.values.shape[1], query=query, probs=None, capacity=layer.capacity, scaling=scaling,
+            rope_inv_freq=self.rope_inv_freq,
         )
-        if self.position_mode == "compact":
+        if self.position_mode == "compact" and acts:
             self._rerotate(layer)
-        out = self.method.attend(layer, ctx)  # a method with its own decode attention (POD); None: the engine's
+        out = self.method.attend(layer, ctx) if acts else None  # a method's own decode attention (POD); None: ours
         if out is not None:
             valid, entries = layer.valid, layer.values.shape[2]
         else:
-            out, valid, entries = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs)
+            out, valid, entries = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs, acts)
         if ctx.attended is not None:
             attended = ctx.attended
         else:  # padded caches (KVMerger, D2O's padded heads): a device scalar, summed without a host read
             attended = valid.sum() // valid[..., 0].numel() if valid is not None else entries
         self.stats.attended_entries_sum += attended
         self.stats.decode_layer_calls += 1
-        self.method.decode(layer, ctx)
+        if acts and not self._checked_decode:  # the compression check looks at the layers the method acts on
+            self._first_step_attended.append(attended)
+        if acts:
+            self.method.decode(layer, ctx)
+        if spec.sliding:
+            self._bound_to_window(layer, spec.window, untouched=not acts)
+        if not self._checked_decode and idx == self._last_attention_layer:
+            self._check_first_decode_step()
         return out, None
 
-    def _engine_attention(self, backend, module, layer, query, scaling, ctx, kwargs):
+    def _bound_to_window(self, layer: KVLayer, window: int, untouched: bool) -> None:
+        """After a forward: a sliding layer keeps what the next query can reach, the last ``window - 1`` positions
+        (a contiguous tail when no method acted on it: a slice, no device read)."""
+        if untouched:
+            layer.drop_oldest(layer.num_entries - (window - 1))
+        else:
+            layer.keep_after(layer.positions.amax(-1, keepdim=True)[:, :1] - window + 2)
+
+    def _engine_attention(self, backend, module, layer, query, scaling, ctx, kwargs, acts=True):
         q_len = query.shape[2]
-        selected = self.method.select(layer, ctx)
+        spec = self.layer_specs[module.layer_idx]
+        selected = self.method.select(layer, ctx) if acts else None
         keys, values, valid = layer.keys, layer.values, layer.valid
         if selected is not None:
             idx4 = selected.unsqueeze(-1).expand(*selected.shape, keys.shape[-1])
             keys, values = torch.gather(keys, 2, idx4), torch.gather(values, 2, idx4)
             valid = torch.gather(valid, -1, selected) if valid is not None else None
         # the backend repeats KV heads by the model's group size: only valid for KV-head-granular caches
-        fast = not self.method.needs_decode_probs and valid is None and q_len == 1
+        fast = not (acts and self.method.needs_decode_probs) and valid is None and q_len == 1
         fast = fast and keys.shape[1] == self.num_kv_heads
         if fast:  # numerically the backend's own decode path (FullKV == plain generate)
             out, _ = backend(module, query, keys, values, None, **kwargs)
         else:
             allowed = _decode_allowed(valid, keys.shape[:2], keys.shape[2], q_len, query.device)
-            out, probs = grouped_attention(query, keys, values, allowed, scaling)
+            if spec.sliding and q_len > 1:  # a continued forward: each new query reaches back window - 1 tokens
+                positions = layer.positions if selected is None else torch.gather(layer.positions, -1, selected)
+                reach = positions.unsqueeze(2) > positions[..., -q_len:].unsqueeze(-1) - spec.window
+                allowed = reach if allowed is None else allowed & reach
+            out, probs = grouped_attention(query, keys, values, allowed, scaling, spec.softcap, spec.sinks)
             ctx.probs = probs
         return out, valid, keys.shape[2]
 
     # ---- compact positions (StreamingLLM's in-cache positions) -------------------------------------------------
     def _rope_inv_freq(self, strict: bool = True) -> torch.Tensor | None:
+        """The RoPE inverse frequencies of the layers methods act on. Models with a RoPE per layer type (Gemma 3: a
+        local base for sliding layers, a global one for full layers) give the full layers' (what methods compress by
+        default); such a model under ``sliding_layers=compress`` would need both, and gets none."""
         params = getattr(self.model.config, "rope_parameters", None) or {}
+        per_type = "full_attention" in params
+        if per_type:
+            if self.sliding_layers == "compress" and len({str(v) for v in params.values()}) > 1:
+                if strict:
+                    raise ConfigError("position_mode=compact with sliding_layers=compress needs one RoPE for every "
+                                      "layer; this model has one per layer type")
+                return None
+            params = params["full_attention"]
         rope_type = params.get("rope_type", "default")
         if not strict:
             try:
@@ -251,9 +523,11 @@ class CompressionSession:
                 f"position_mode=compact needs a position-independent RoPE; rope_type={rope_type!r} is not one of "
                 f"{', '.join(_ROTATABLE_ROPE)}"
             )
+        prefix = "full_attention_" if per_type else ""
         for module in self.model.modules():
-            if hasattr(module, "inv_freq") and float(getattr(module, "attention_scaling", 1.0)) == 1.0:
-                return module.inv_freq.detach().float()
+            inv_freq = getattr(module, f"{prefix}inv_freq", None)
+            if inv_freq is not None and float(getattr(module, f"{prefix}attention_scaling", 1.0)) == 1.0:
+                return inv_freq.detach().float()
         raise ConfigError("position_mode=compact: the model has no rotary embedding with attention_scaling 1")
 
     def _rerotate(self, layer: KVLayer) -> None:
@@ -272,43 +546,6 @@ class CompressionSession:
         layer.rope_pos = target
 
 
-class TokenLogits:
-    """The model's log-probabilities of chosen tokens at each position of one forward, for ``observe_logits``.
-
-    hidden: ``(B, q, H)`` final hidden states of the forward; head: the model's output embedding (logits =
-    ``head(hidden)``); previous: ``(B, V)`` log-softmax of the previous forward's last position, None after a prompt.
-    The head is applied ``chunk`` positions at a time, so nothing ``(B, q, V)`` is held at once for long prompts
-    (a forward of at most ``chunk`` tokens, a decode step, is computed once and reused).
-    """
-
-    def __init__(self, hidden: torch.Tensor, head, previous: torch.Tensor | None, chunk: int = 256):
-        self.hidden, self.head, self.previous, self.chunk = hidden, head, previous, chunk
-        self._short: torch.Tensor | None = None
-
-    def _log_softmax(self, start: int) -> torch.Tensor:
-        if self.hidden.shape[1] <= self.chunk and self._short is not None:
-            return self._short
-        out = torch.log_softmax(self.head(self.hidden[:, start : start + self.chunk]).float(), dim=-1)
-        if self.hidden.shape[1] <= self.chunk:
-            self._short = out
-        return out
-
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """``log softmax(logits[:, i])[ids[:, i]]`` for the first q' <= q positions: ``ids`` ``(B, q')`` -> ``(B, q')``
-        float32 (a shifted ``ids`` scores each position's next token)."""
-        out = []
-        for start in range(0, self.hidden.shape[1], self.chunk):
-            logp = self._log_softmax(start)
-            out.append(torch.gather(logp, -1, ids[:, start : start + self.chunk].unsqueeze(-1)).squeeze(-1))
-        return torch.cat(out, dim=1)
-
-    def last(self) -> torch.Tensor:
-        """Log-softmax at the forward's last position ``(B, V)`` (the prediction of the next input token)."""
-        if self.hidden.shape[1] <= self.chunk:
-            return self._log_softmax(0)[:, -1]
-        return torch.log_softmax(self.head(self.hidden[:, -1]).float(), dim=-1)
-
-
 def _check_plain_logit_head(model) -> None:
     """``TokenLogits`` computes logits as ``head(hidden)``: refuse models that post-process them."""
     cfg = model.config
@@ -321,24 +558,26 @@ def _check_plain_logit_head(model) -> None:
             )
 
 
-def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate post-RoPE keys ``(B, H, T, D)`` by ``delta`` positions ``(B, H, T)`` (RoPE rotations compose
-    additively; rotate-half layout, as every transformers RoPE model)."""
-    angles = delta.unsqueeze(-1) * inv_freq  # (B, H, T, D/2)
-    emb = torch.cat([angles, angles], dim=-1)
-    cos, sin = emb.cos().to(keys.dtype), emb.sin().to(keys.dtype)
-    half = keys.shape[-1] // 2
-    rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
-    return keys * cos + rotated_half * sin
-
-
 def _key_valid(attention_mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """Per-key validity ``(B, n)`` from the model's 4-D prefill mask (the last query row sees every real key)."""
+    """Per-key validity ``(B, n)`` from the model's 4-D prefill mask: a key some query attends is a real token (the
+    last row alone would miss the keys a sliding-window mask hides from it)."""
     if attention_mask is None or attention_mask.dim() != 4:
         return None
-    row = attention_mask[:, 0, -1, :n]
-    valid = row if row.dtype == torch.bool else row == 0
+    rows = attention_mask[:, 0, :, :n]
+    valid = (rows if rows.dtype == torch.bool else rows == 0).any(dim=1)
     return None if bool(valid.all()) else valid
+
+
+def _window_context(ctx: PrefillContext, layer: KVLayer) -> PrefillContext:
+    """The prefill as a method acting inside a sliding window sees it (``sliding_layers=compress``): the window's
+    tokens are the prompt, its queries the last ones, its budget at most the window."""
+    from dataclasses import replace
+
+    m = layer.num_entries
+    key_valid = ctx.key_valid[:, -m:] if ctx.key_valid is not None else None
+    prompt_lens = torch.clamp(ctx.prompt_lens, max=m)
+    return replace(ctx, queries=ctx.queries[..., -m:, :], key_valid=key_valid, prompt_lens=prompt_lens,
+                   capacity=torch.minimum(ctx.capacity, prompt_lens), column_sums=None)
 
 
 def _decode_allowed(valid, bh, entries, q_len, device) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.engine.cache import KVCache
+from kvbench.engine.compat import cache_kwargs
 from kvbench.engine.generate import _sync
 
 _ROWS_PER_CHUNK = 1024  # log-softmax over the prefill's logits in chunks of positions (bounded extra memory)
@@ -77,7 +78,7 @@ def teacher_forced_logprobs(model, ids: Sequence[int], prefill_len: int, score_f
     keep = prefill_len - score_from + 1  # prefill positions whose logits predict a scored token
     out = model(
         input_ids=tokens[:, :prefill_len], position_ids=torch.arange(prefill_len, device=device).view(1, -1),
-        past_key_values=cache, use_cache=True, logits_to_keep=keep,
+        **cache_kwargs(model, cache), use_cache=True, logits_to_keep=keep,
     )
     first_lp, first_greedy = _score_rows(out.logits[0, -keep:], tokens[0, score_from : prefill_len + 1])
     del out
@@ -90,7 +91,7 @@ def teacher_forced_logprobs(model, ids: Sequence[int], prefill_len: int, score_f
     for i, t in enumerate(range(prefill_len, n - 1)):
         out = model(
             input_ids=tokens[:, t : t + 1], position_ids=torch.full((1, 1), t, device=device),
-            past_key_values=cache, use_cache=True,
+            **cache_kwargs(model, cache), use_cache=True,
         )
         lp, greedy = _score_rows(out.logits[0, -1:], tokens[0, t + 1 : t + 2])
         step_lp[i], step_greedy[i] = lp[0], greedy[0]

@@ -216,6 +216,26 @@ class JobDir:
                           fault_point="scores_write")
         self.failure_path.unlink(missing_ok=True)
 
+    def discard_if_empty(self) -> bool:
+        """Remove this job's directory when it holds no record and no scores (a job stopped before its first sample
+        finished leaves nothing behind: a failed compression check stores no result). Returns whether it did."""
+        if self.read_records() or self.scores_path.exists():
+            return False
+        for name in ("config.yaml", "meta.json", "errors.jsonl", "failed.json", "samples.jsonl", ".lock"):
+            (self.path / name).unlink(missing_ok=True)
+        try:
+            self.path.rmdir()
+        except OSError:
+            return False  # something else lives there: leave it for ``store verify`` to report
+        parent = self.path.parent
+        for _ in range(4):  # <budget>/<method>/<task>/<model> directories this job alone created
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+        return True
+
     # ---- failures ------------------------------------------------------------------------------------------------
     def write_failure(self, failure: dict[str, Any]) -> None:
         """Record why the last attempt failed (the sweep lists it; the next successful run removes it)."""

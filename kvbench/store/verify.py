@@ -8,12 +8,20 @@ Every job directory ``runs/<4 parts>/<hash12>/`` is classified:
   line is cut (the next run repairs it; ``--clean`` repairs it now);
 * ``failed``: a ``failed.json`` written by a sweep (its cause is shown);
 * ``inconsistent``: config.yaml missing or unreadable, its key hashing to another directory name, duplicate or
-  unparseable record lines, or scores.json whose sample count differs from the unique records;
+  unparseable record lines, scores.json whose sample count differs from the unique records, or a finished job whose
+  scores.json disagrees with its records: the task's aggregate and the efficiency means are recomputed from
+  samples.jsonl as the job runner computes them (``kvbench.store.scores``) and every number is compared
+  (relative tolerance 1e-9), so a hand-edited score is named with both values. A job whose task cannot be rebuilt
+  here (a task module not installed, its data elsewhere) or whose task version changed since gets a note instead;
+* ``uncompressed``: a job of a compressing method whose records show it never compressed (the transformers 5.24
+  keyword rename ran every method as FullKV under its own name; ``kvbench.store.compression``); the line names the
+  transformers version of meta.json. Rerun it (delete the directory first: its records would be resumed);
 * ``orphaned``: no config.yaml and no records (a job that died before it started), or leftover temp files of an
   atomic write.
 
 ``--clean`` removes orphaned directories and temp files and repairs torn lines; it never deletes records or
-scores (inconsistent jobs are reported for a human to decide). Exit code 0 when nothing is wrong, 1 otherwise.
+scores (inconsistent and uncompressed jobs are reported for a human to decide). Exit code 0 when nothing is wrong,
+1 otherwise.
 """
 
 from __future__ import annotations
@@ -21,18 +29,25 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import math
 import os
 import shutil
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from kvbench.store import config_hash
+from kvbench.store import config_hash, ids_digest
+from kvbench.store.compression import uncompressed_reason
 
-STATES = ("finished", "running", "incomplete", "failed", "inconsistent", "orphaned")
+STATES = ("finished", "running", "incomplete", "failed", "uncompressed", "inconsistent", "orphaned")
+#: states a human has to act on (exit code 1)
+WRONG = ("inconsistent", "orphaned", "failed", "uncompressed")
+#: scores.json and a recomputation from the same records agree to this relative tolerance
+SCORE_RTOL = 1e-9
 
 
 @dataclass
@@ -43,6 +58,7 @@ class JobReport:
     records: int = 0
     torn: bool = False
     temp_files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be checked here; not a problem
 
 
 def _locked(path: Path) -> bool:
@@ -65,6 +81,7 @@ def inspect(path: Path) -> JobReport:
         report.problems.append(f"{len(report.temp_files)} leftover temp file(s)")
     samples = path / "samples.jsonl"
     ids: list[str] = []
+    records: list[dict[str, Any]] = []
     if samples.exists():
         data = samples.read_bytes()
         good_end = data.rfind(b"\n") + 1
@@ -73,14 +90,18 @@ def inspect(path: Path) -> JobReport:
             if not line.strip():
                 continue
             try:
-                ids.append(str(json.loads(line)["id"]))
+                record = json.loads(line)
+                ids.append(str(record["id"]))
             except (ValueError, KeyError, TypeError):
                 report.problems.append(f"samples.jsonl line {number} is not a record")
+                continue
+            records.append(record)
         duplicates = [i for i, c in Counter(ids).items() if c > 1]
         if duplicates:
             report.problems.append(f"duplicate records: {', '.join(duplicates[:5])}")
     report.records = len(set(ids))
     config = path / "config.yaml"
+    stored_config: dict[str, Any] = {}
     if not config.exists():
         if not ids and not (path / "scores.json").exists():
             report.state = "orphaned"
@@ -89,7 +110,8 @@ def inspect(path: Path) -> JobReport:
         report.problems.append("config.yaml is missing")
     else:
         try:
-            key = yaml.safe_load(config.read_text())["key"]
+            stored_config = yaml.safe_load(config.read_text())
+            key = stored_config["key"]
             if config_hash(key)[:12] != path.name:
                 report.problems.append(f"config key hashes to {config_hash(key)[:12]}, not {path.name}")
         except (yaml.YAMLError, KeyError, TypeError) as exc:
@@ -121,9 +143,103 @@ def inspect(path: Path) -> JobReport:
     elif scores.get("n_failed"):
         report.state = "failed"
         report.problems.append(f"{scores['n_failed']} sample(s) failed (errors.jsonl); a rerun retries them")
+    if report.state in ("finished", "incomplete", "failed"):
+        reason = uncompressed_reason(_read_meta(path), records)
+        if reason is not None:
+            report.state = "uncompressed"
+            report.problems.append(f"{reason}; delete the job directory and run it again (a rerun in place keeps "
+                                   "these records)")
+    if report.state == "finished":
+        check_scores(report, stored_config, scores, records)
     if report.torn and report.state != "running":
         report.problems.append("torn last record line")
     return report
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def check_scores(report: JobReport, config: dict[str, Any], scores: dict[str, Any], records: list[dict]) -> None:
+    """Recompute scores.json's numbers from the records the way the job runner does (``kvbench.jobs``); a job whose
+    scores.json says otherwise (edited by hand, or written from other records) becomes ``inconsistent``, naming each
+    number."""
+    from kvbench.store.scores import record_scores
+    from kvbench.tasks import build_task
+
+    scored = scored_records(records, scores)
+    if scored is None:
+        report.notes.append(f"scores.json counts {scores.get('n_samples')} samples and its sample digest matches no "
+                            f"prefix of the {len(records)} records: scores not recomputed")
+        return
+    resolved_task = (config.get("resolved") or {}).get("task") or {}
+    # data_dir says where the data was, not what was scored (the key leaves it out): scoring needs no data here
+    task_cfg = {k: v for k, v in resolved_task.items() if k != "data_dir"}
+    try:
+        task = build_task(task_cfg)
+    except Exception as exc:  # a task module not installed here, a field it no longer has: nothing to compare with
+        report.notes.append(f"task {task_cfg.get('name', '?')!r} cannot be rebuilt here "
+                            f"({type(exc).__name__}: {str(exc)[:100]}): scores not recomputed")
+        return
+    if scores.get("task_version") not in (None, task.version):
+        report.notes.append(f"task version {scores['task_version']!r} was scored, this kvbench has {task.version!r}: "
+                            "scores not recomputed")
+        return
+    try:
+        expected = record_scores(task, scored)
+    except Exception as exc:  # records without a field the aggregate reads (an older format), data not here
+        report.notes.append(f"scores not recomputed ({type(exc).__name__}: {str(exc)[:100]})")
+        return
+    differences = disagreements(expected, scores)
+    if differences:
+        report.state = "inconsistent"
+        shown = "; ".join(differences[:4]) + (f"; {len(differences) - 4} more" if len(differences) > 4 else "")
+        report.problems.append(f"scores.json disagrees with its records: {shown}")
+
+
+def scored_records(records: list[dict], scores: dict[str, Any]) -> list[dict] | None:
+    """The records scores.json was computed from: all of them, or the first ``n_samples`` when a later run with a
+    smaller ``limit`` scored fewer than the file holds (the digest of its planned ids then matches them); None when
+    neither fits (the limit is not part of the job's key, so one directory can hold both runs' records)."""
+    n = scores.get("n_samples")
+    if n == len(records):
+        return records
+    if isinstance(n, int) and 0 <= n < len(records):
+        if ids_digest([str(r["id"]) for r in records[:n]]) == scores.get("sample_ids_digest"):
+            return records[:n]
+    return None
+
+
+def disagreements(expected: Any, stored: Any, name: str = "") -> list[str]:
+    """Every number of ``expected`` (nested in dicts and lists) that ``stored`` holds differently: ``key: scores.json
+    has X, the records give Y``. Keys scores.json lacks (an older kvbench wrote it) and non-numbers are skipped."""
+    if isinstance(expected, dict):
+        if not isinstance(stored, dict):
+            return [f"{name}: scores.json has {stored!r:.60}, the records give a mapping"]
+        return [d for key, value in expected.items() if key in stored
+                for d in disagreements(value, stored[key], f"{name}.{key}" if name else str(key))]
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(stored, list) or len(stored) != len(expected):
+            return [f"{name}: scores.json has {stored!r:.60}, the records give {list(expected)!r:.60}"]
+        return [d for i, (value, held) in enumerate(zip(expected, stored)) for d in disagreements(value, held,
+                                                                                                 f"{name}[{i}]")]
+    if not _is_number(expected) or (_is_number(stored) and _same_number(expected, stored)):
+        return []
+    return [f"{name}: scores.json has {stored!r}, the records give {expected!r}"]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _same_number(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)  # an empty bucket is nan in both
+    return math.isclose(a, b, rel_tol=SCORE_RTOL, abs_tol=0.0)
 
 
 def job_dirs(results_dir: Path) -> list[Path]:
@@ -171,15 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     reports = [inspect(p) for p in job_dirs(results)]
     counts = Counter(r.state for r in reports)
     for report in reports:
-        if report.state != "finished" or report.problems:
-            print(f"{report.state:12} {report.path.relative_to(results)}: {'; '.join(report.problems) or 'resumable'}"
-                  f" ({report.records} records)")
+        if report.state != "finished" or report.problems or report.notes:
+            detail = "; ".join(report.problems + [f"note: {note}" for note in report.notes]) or "resumable"
+            print(f"{report.state:12} {report.path.relative_to(results)}: {detail} ({report.records} records)")
             if args.clean:
                 for action in clean(report):
                     print(f"{'':12} {action}")
     print(f"{len(reports)} job dirs in {results}: " + ", ".join(f"{counts[s]} {s}" for s in STATES if counts[s]))
-    bad = [r for r in reports if r.state in ("inconsistent", "orphaned", "failed") or r.problems]
-    return 1 if bad and not args.clean else (1 if any(r.state == "inconsistent" for r in reports) else 0)
+    bad = [r for r in reports if r.state in WRONG or r.problems]
+    unrepairable = any(r.state in ("inconsistent", "uncompressed") for r in reports)  # --clean never touches them
+    return 1 if bad and not args.clean else (1 if unrepairable else 0)
 
 
 def _default_results() -> str:
