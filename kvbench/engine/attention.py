@@ -8,36 +8,58 @@ mask: reference/environment.md, pitfall 1). Outside a ``CompressionSession`` it 
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-if TYPE_CHECKING:
-    from kvbench.engine.session import CompressionSession
 
-ACTIVE_SESSION: ContextVar[CompressionSession | None] = ContextVar("kvbench_session", default=None)
+class Attending(Protocol):
+    """What the registered attention functions call while a session is active (``CompressionSession``); declared here
+    so that this module never imports the session (the session imports this one and sets the handle)."""
+
+    def attend(self, impl: str, module, query, key, value, attention_mask, **kwargs): ...
+
+
+#: the session active in this context (set by ``CompressionSession.__enter__``), or None: plain backend attention
+ACTIVE_SESSION: ContextVar[Attending | None] = ContextVar("kvbench_session", default=None)
 BACKENDS = ("sdpa", "eager", "flash_attention_2")
 
 
-def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Plain softmax attention (the transformers eager path), GQA by viewing queries per KV group."""
+def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None,
+                    **kwargs):
+    """Plain softmax attention (the transformers eager path), GQA by viewing queries per KV group; Gemma 2's logit
+    soft-cap (``softcap``) and GPT-OSS's per-head sink logits (``s_aux``) as their eager attention applies them."""
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     scaling = scaling if scaling is not None else d**-0.5
     qg = query.view(b, hkv, hq // hkv, q, d)
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, key) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[:, :, :, : key.shape[-2]]
         if mask.dtype == torch.bool:
             logits = logits.masked_fill(~mask.view(mask.shape[0], 1, -1, q, mask.shape[-1]), float("-inf"))
         else:
             logits = logits + mask.view(mask.shape[0], 1, -1, q, mask.shape[-1])
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = _softmax(logits, s_aux, torch.float32).to(query.dtype)
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs, value).reshape(b, hq, q, d)
     return out.transpose(1, 2).contiguous(), probs.reshape(b, hq, q, -1)
+
+
+def _softmax(logits: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the last dim of ``(B, Hkv, g, q, T)`` logits; with ``sinks`` ``(Hq,)`` a learned logit per query
+    head joins the normalisation and is dropped afterwards (GPT-OSS's attention sinks)."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1, dtype=dtype)
+    b, hkv, g, q, _ = logits.shape
+    sink = sinks.to(logits.dtype).view(1, hkv, g, 1, 1).expand(b, hkv, g, q, 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.amax(-1, keepdim=True)
+    return torch.softmax(combined, dim=-1, dtype=dtype)[..., :-1]
 
 
 def backend_function(impl: str):
@@ -68,19 +90,23 @@ def register_backends() -> None:
 
 
 def grouped_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None, scaling: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None, scaling: float,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query`` ``(B, Hq, q, D)`` over a layer's entries ``(B, Hkv, T, D)`` without repeating KV.
 
-    allowed: ``(B, Hkv, q, T)`` bool or None. Returns the output ``(B, q, Hq, D)`` and the probabilities
+    allowed: ``(B, Hkv, q, T)`` bool or None; ``softcap``/``sinks``: the layer's logit soft-cap and sink logits
+    (``engine.architecture.LayerAttention``). Returns the output ``(B, q, Hq, D)`` and the probabilities
     ``(B, Hkv, g, q, T)`` (float32).
     """
     b, hq, q, d = query.shape
     hkv = keys.shape[1]
     qg = query.view(b, hkv, hq // hkv, q, d)
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if allowed is not None:
         logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    probs = _softmax(logits, sinks, torch.float32)
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, d)
     return out.transpose(1, 2).contiguous(), probs

@@ -93,6 +93,39 @@ def column_sums(
     return total.view(b, hq, n)
 
 
+def window_causal_column_sums(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    window: int,
+    scaling: float,
+    key_valid: torch.Tensor | None = None,
+    chunk: int = 512,
+) -> torch.Tensor:
+    """Column sums over all queries of attention that is causal only inside the last ``window`` x ``window`` block:
+    queries before the window see every key, later ones included (KVCache-Factory's H2O from 98e8228, 2024-10-13, to
+    9f9aa2e, 2026-06-22, which added its causal mask to that block only). In query chunks; padded keys get no weight
+    and padded query rows add nothing. Returns ``(B, Hq, n)`` float32."""
+    b, hq, n, _ = queries.shape
+    num_kv = keys.shape[1]
+    total = torch.zeros(b, num_kv, hq // num_kv, n, dtype=torch.float32, device=keys.device)
+    qg = grouped(queries, num_kv)
+    k_idx = torch.arange(n, device=keys.device).view(1, -1)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[..., start:stop, :], keys).float()
+        logits.mul_(scaling)
+        q_idx = torch.arange(start, stop, device=keys.device).view(-1, 1)
+        future = (k_idx > q_idx) & (q_idx >= n - window) & (k_idx >= n - window)  # the window block's upper triangle
+        logits.masked_fill_(future, float("-inf"))
+        if key_valid is not None:
+            logits.masked_fill_(~key_valid.view(b, 1, 1, 1, n), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if key_valid is not None:
+            probs = torch.nan_to_num_(probs, nan=0.0) * key_valid[:, start:stop].view(b, 1, 1, -1, 1)
+        total += probs.sum(-2)
+    return total.view(b, hq, n)
+
+
 def attention_and_column_sums(
     queries: torch.Tensor,
     keys: torch.Tensor,

