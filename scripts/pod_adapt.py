@@ -37,7 +37,7 @@ from kvbench.methods.pod_attention import PODTrainingAttention  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a conf/model/<name>.yaml")
-    p.add_argument("--block-map", required=True, help="JSON from python -m kvbench.methods.pod_grouping")
+    p.add_argument("--block-map", required=True, help="JSON from python -m kvbench.analysis.pod_grouping")
     p.add_argument("--n-s", type=int, default=16, help="sink tokens (paper 16)")
     p.add_argument("--n-r", type=int, default=4080, help="recent tokens (paper 4080; must be < seq-len to train)")
     p.add_argument("--texts", type=Path, default=None, help="directory of .txt files (default: the PG essays)")

@@ -95,7 +95,7 @@ def _method(row) -> tuple[str, dict]:
     if match := re.fullmatch(r"allocation=(.*)", variant):
         fields["allocation"] = {"Exponential Decay": "exponential_decay", "Uniform Allocation": "uniform",
                                 "Reciprocal of Variance": "reciprocal_variance",
-                                "Inverse Variance Softmax (Ours)": "variance_softmax"}[match[1]]
+                                "Inverse Variance Softmax (Ours)": "official_code"}[match[1]]
     elif variant.startswith("similarity_feature="):
         fields["similarity_feature"] = {r"$\kappa$": "key", r"$\mathcal{V}$": "value",
                                         r"$\mathcal{K}/\mathcal{V}$": "key_value"}[variant.split("=", 1)[1]]
@@ -358,9 +358,19 @@ def test_paper_settings_that_the_csv_does_not_name(planner):
     per model (DynamicKV Table 1), OmniKV's filter layers per model and raw prompts (OmniKV Table 1)."""
     by_key = {(j.model, j.method, j.budget): j.cfg for j in plan_experiment(planner, "dynamickv_table1")}
     assert by_key[("llama3-8b-instruct", "streamingllm", "128")].method.variant == "kvfactory"
-    assert by_key[("qwen2-7b-instruct", "h2o", "512")].method.variant == "prefill_only"
+    assert by_key[("llama3-8b-instruct", "streamingllm", "128")].method.window == 32
+    assert by_key[("qwen2-7b-instruct", "h2o", "512")].method.variant == "kvfactory_2406"
     assert by_key[("mistral-7b-instruct-v0.2", "snapkv", "128")].method.kernel == 7
-    assert by_key[("internlm2.5-7b-chat-1m", "pyramidkv", "512")].method.schedule == "kvfactory"
+    assert by_key[("mistral-7b-instruct-v0.2", "snapkv", "128")].method.window == 32
+    assert by_key[("internlm2.5-7b-chat-1m", "pyramidkv", "512")].method.schedule == "kvfactory_2406"
+    assert {by_key[(m, b, "128")].method.granularity for m in ("llama3-8b-instruct", "qwen2-7b-instruct")
+            for b in ("streamingllm", "h2o", "snapkv", "pyramidkv")} == {"query_head"}
+    t21 = {(j.model, j.method, j.budget): j.cfg for j in plan_experiment(planner, "d2o_table21")}
+    assert t21[("llama3-8b-instruct", "streamingllm", "64")].method.window is None  # 4 sinks + C - 4 recent
+    assert t21[("llama3-8b-instruct", "snapkv", "64")].method.window == 8
+    assert t21[("mistral-7b-instruct-v0.2", "pyramidkv", "2048")].method.schedule == "kvfactory_2406"
+    t18 = {j.method: j.cfg for j in plan_experiment(planner, "d2o_table18")}
+    assert t18["pyramidkv"].method.schedule == "kvfactory_2409" and t18["snapkv"].method.window == 8
     pooling = {m: by_key[(m, "dynamickv", "128")].method.pooling for m in
                ("llama3-8b-instruct", "internlm2.5-7b-chat-1m", "mistral-7b-instruct-v0.2", "qwen2-7b-instruct")}
     assert pooling == {"llama3-8b-instruct": "avg", "internlm2.5-7b-chat-1m": "avg",

@@ -58,19 +58,18 @@ def test_generation_is_unchanged_by_the_fused_pass(toy_llama, monkeypatch, metho
     assert fused == plain
 
 
-def test_sliding_window_and_padding_fall_back_to_the_backend(toy_llama, monkeypatch):
+def test_soft_capping_and_padding_fall_back_to_the_backend(toy_llama, monkeypatch):
+    from helpers import tiny_family
+
     torch.manual_seed(2)
     ids = [torch.randint(3, 256, (120,)).tolist()]
     seen = []
     real = base.attend_with_column_sums
     monkeypatch.setattr("kvbench.methods.h2o.attend_with_column_sums",
                         lambda layer, ctx: seen.append(ctx.plain_causal) or real(layer, ctx))
-    toy_llama.config.sliding_window = 64  # shorter than the prompt: the model's own mask must be used
-    try:
-        with CompressionSession(toy_llama, build_method({"name": "h2o"}, Budget.parse(32)), Budget.parse(32)):
-            greedy_generate(toy_llama, ids, 2, [2], 0)
-    finally:
-        toy_llama.config.sliding_window = None
+    gemma2 = tiny_family("gemma2")  # soft-capped logits: the prompt attention is not plain softmax attention
+    with CompressionSession(gemma2, build_method({"name": "h2o"}, Budget.parse(40)), Budget.parse(40)):
+        greedy_generate(gemma2, ids, 2, [2], 0)
     assert seen and not any(seen)
     cache_ctx = []
     monkeypatch.setattr("kvbench.methods.h2o.attend_with_column_sums",

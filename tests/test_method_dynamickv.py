@@ -12,7 +12,8 @@ from helpers import assert_same_up_to_ties, kept_positions, make_layer, prefill_
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
 from kvbench.errors import ConfigError
-from kvbench.methods.dynamickv import DynamicKV, allocate, water_fill
+from kvbench.methods.dynamickv import DynamicKV
+from kvbench.methods.dynamickv_ops import allocate, water_fill
 
 
 def _model_qkv(num_layers=8, n=96, hq=4, hkv=2, d=8, seed=0, b=1):

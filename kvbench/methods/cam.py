@@ -27,6 +27,7 @@ from kvbench.methods.base import (
     real_rank,
 )
 from kvbench.methods.cam_ops import leaving_probabilities, masked_output, merge_values
+from kvbench.methods.snapkv import GRANULARITY, to_query_heads
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -58,7 +59,13 @@ class CaM(Method):
     last ``window`` queries' attention (no pooling); the same loop with ``s = ⌈start_budget_ratio·n⌉`` and span
     ``window`` over W (``p_x = W_x / max W over [0, s) ∪ [t-w, t)``), then keep the top C - w by W plus the window.
     The prompt's output uses the merged values (KVCache-Factory merges in place before its attention). No decode
-    merging.
+    merging. The top C - w are chosen by ``torch.topk`` over the past tokens alone, then the window appended (the
+    reference's selection: ties break as its do); kept tokens are stored in position order.
+
+    GQA: ``granularity="kv_head"`` (default): attention averaged over each KV group (merge probabilities and scores;
+    KVCache-Factory's ``kv_head`` mode, 2026-07). ``"query_head"``: K/V repeated to the query heads first, so every
+    query head merges its own values and keeps its own tokens (KVCache-Factory's default mode; the cache is
+    ``Hq / Hkv`` times larger).
 
     Bernoulli draws are ``m = [u < p]`` with ``u`` uniform from a per-layer ``torch.Generator`` seeded with
     ``seed + 1_000_003·layer`` at every prefill, drawn ``(steps, B, Hkv)`` in token order (prefill) and ``(1, B,
@@ -66,6 +73,7 @@ class CaM(Method):
     """
 
     name: ClassVar[str] = "cam"
+    compression: ClassVar[str] = "prefill"
     needs_decode_probs: ClassVar[bool] = True
     supports_batching: ClassVar[bool] = False
     start_share: float = 0.5
@@ -74,10 +82,12 @@ class CaM(Method):
     start_budget_ratio: float = 0.1
     seed: int = 0
     chunk: int = 512
+    granularity: str = "kv_head"
 
     def __post_init__(self) -> None:
         check_positive(self.name, window=self.window, chunk=self.chunk)
         check_choice(self.name, "variant", self.variant, VARIANTS)
+        check_choice(self.name, "granularity", self.granularity, GRANULARITY)
         for key in ("start_share", "start_budget_ratio"):
             if not 0 <= getattr(self, key) < 1:
                 raise ConfigError(f"method 'cam': {key}={getattr(self, key)} must be in [0, 1)")
@@ -106,8 +116,9 @@ class CaM(Method):
     def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
         dev = ctx.queries.device
         self._rng[ctx.layer_idx] = torch.Generator(device=dev).manual_seed(self.seed + 1_000_003 * ctx.layer_idx)
+        to_query_heads(layer, ctx, self.granularity)
         b, hq, n, d = ctx.queries.shape
-        hkv = ctx.num_kv_heads
+        hkv = layer.keys.shape[1]
         qg = ctx.queries.view(b, hkv, hq // hkv, n, d)
         cap = int(ctx.capacity[0])
         if self.variant == "paper":
@@ -144,13 +155,14 @@ class CaM(Method):
         return out.transpose(1, 2).contiguous()
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        to_query_heads(layer, ctx, self.granularity)  # (prefill_attend did it unless the engine skipped it)
         if self.variant == "prefill_only":
             if "cam_scores" in layer.state:
-                keep_top(layer, layer.state.pop("cam_scores"), ctx.capacity)
+                keep_top(layer, layer.state.pop("cam_scores"), ctx.capacity, window=self.window)
             return
         if "cam_acc" not in layer.state:  # the prompt fits: accumulated attention of plain causal attention
             sums = column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=self.chunk)
-            layer.state["cam_acc"] = aggregate_group(sums, ctx.num_kv_heads, "mean")
+            layer.state["cam_acc"] = aggregate_group(sums, layer.keys.shape[1], "mean")
             return
         s, r = self.split(int(ctx.capacity[0]))
         rank = real_rank(layer)
@@ -158,6 +170,12 @@ class CaM(Method):
         keep_top(layer, torch.where(keep, float("inf"), float("-inf")), ctx.capacity)
 
     # ---- decode ----------------------------------------------------------------------------------------------------
+    def static_policy(self, capacity: int):
+        """KVCache-Factory's reading does nothing after prefill; the paper's merges every step (no static form)."""
+        from kvbench.engine.static import StaticPolicy
+
+        return StaticPolicy() if self.variant == "prefill_only" else None
+
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper" or ctx.probs is None:
             return

@@ -54,6 +54,7 @@ class CLA(Method):
     """
 
     name: ClassVar[str] = "cla"
+    compression: ClassVar[str] = "prefill"
     requires_training: ClassVar[bool] = True
     sharing_factor: int = 2
     adapted_checkpoint: bool = False

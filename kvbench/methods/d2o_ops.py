@@ -11,8 +11,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-ALLOCATIONS = ("variance_softmax", "exponential_decay", "uniform", "reciprocal_variance")
-VARIANCE_NORMS = ("zscore", "none")
+#: official_code: softmax(-F) of the code's density (the default); paper_literal: softmax(-F) of the paper's raw
+#: variance; kvbench_zscore: softmax(-z(F)), kvbench's own reading (methods.md A1.7 item 1); the rest: Table 4
+ALLOCATIONS = ("official_code", "paper_literal", "kvbench_zscore", "exponential_decay", "uniform",
+               "reciprocal_variance")
 
 
 # ---- layer level ---------------------------------------------------------------------------------------------------
@@ -32,10 +34,11 @@ def layer_density(sums: torch.Tensor, key_valid: torch.Tensor | None) -> torch.T
 
 def official_density(sums: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
     """The official code's F_l: per-query-head (unbiased) variance of the column sums, min-max normalised across
-    heads, averaged over heads (``modeling_llama3_7b_13b_d2o.py``, ``multimodal_entropy``). Returns ``(B,)``."""
+    heads, averaged over heads (``modeling_llama3_7b_13b_d2o.py``, ``multimodal_entropy``), in float32 as the code
+    computes it on a float32 model. Values lie in [0, 1), so softmax(-F) is nearly uniform. Returns ``(B,)``."""
     out = []
     for row in range(sums.shape[0]):
-        s = sums[row].double() if key_valid is None else sums[row][:, key_valid[row]].double()
+        s = sums[row].float() if key_valid is None else sums[row][:, key_valid[row]].float()
         var = s.var(-1)
         out.append(((var - var.min()) / (var.max() - var.min() + 1e-6)).mean())
     return torch.stack(out)
@@ -95,12 +98,14 @@ def round_to_total(x: torch.Tensor, total: int, lo: int, hi: int) -> list[int]:
     return base.tolist()
 
 
-def allocate(density: torch.Tensor, n: int, capacity: int, rule: str, variance_norm: str = "zscore",
-             tau_alloc: float = 1.0, s_min: int = 12) -> list[int]:
+def allocate(density: torch.Tensor, n: int, capacity: int, rule: str, tau_alloc: float = 1.0,
+             s_min: int = 12) -> list[int]:
     """S_l for every layer of one row (A1.4 step 2): n prompt tokens, ``capacity`` tokens per layer on average.
 
-    * ``variance_softmax``: S_l = softmax(-F~/tau)_l * L * capacity (= alpha_l * n with rho = capacity / n), F~ the
-      ``variance_norm``-normalised F (A1.7 item 1 places the z-score inside this softmax);
+    * ``official_code`` and ``paper_literal``: S_l = softmax(-F/tau)_l * L * capacity (= alpha_l * n with
+      rho = capacity / n); ``density`` is then the code's F (``official_density``, in [0, 1): nearly uniform budgets)
+      or the paper's raw variance (``layer_density``: exp(-F) underflows and the softmax is one-hot, A1.7 item 1);
+    * ``kvbench_zscore``: the same softmax over the z-scored F (kvbench's own reading, A1.7 item 1);
     * ``reciprocal_variance``: shares (1/F_l) / sum(1/F), on the raw F (a z-scored F can be <= 0);
     * ``exponential_decay``: alpha_l = exp(-F_l), S_l = alpha_l * n on the raw F, *unnormalised* as in Table 4:
       the only rule whose total is not L * capacity (clamped to [S_min, n], not redistributed). With real
@@ -118,8 +123,9 @@ def allocate(density: torch.Tensor, n: int, capacity: int, rule: str, variance_n
     if rule == "exponential_decay":
         alpha = torch.exp(-density.double())
         return [int(v) for v in torch.round(alpha * n).clamp(lo, hi).long()]
-    if rule == "variance_softmax":
-        weights = torch.softmax(-normalise_density(density, variance_norm) / tau_alloc, dim=0)
+    if rule in ("official_code", "paper_literal", "kvbench_zscore"):
+        how = "zscore" if rule == "kvbench_zscore" else "none"
+        weights = torch.softmax(-normalise_density(density, how) / tau_alloc, dim=0)
     elif rule == "reciprocal_variance":
         weights = 1.0 / density.double().clamp(min=1e-300)
     else:
@@ -128,8 +134,18 @@ def allocate(density: torch.Tensor, n: int, capacity: int, rule: str, variance_n
 
 
 def official_ratios(density: torch.Tensor, rho: float) -> torch.Tensor:
-    """The official code's per-layer cache ratio: softmax(-F) * L * rho clamped to [0.01, 1], not renormalised."""
-    return (torch.softmax(-density.double(), dim=0) * density.shape[0] * rho).clamp(0.01, 1.0)
+    """The official code's per-layer cache ratio: softmax(-F) * L * rho clamped to [0.01, 1], not renormalised
+    (``modeling_llama3_new.py``, LlamaModel.forward), in float32 and in the code's order of operations."""
+    weights = torch.softmax(-density.float(), dim=0)
+    return torch.clamp(weights * density.shape[0] * rho, min=0.01, max=1.0)
+
+
+def official_sizes(ratios: torch.Tensor, seen: int, recent_fraction: float) -> list[tuple[int, int]]:
+    """(heavy, recent) per layer as the code sizes them at the first generated token (``D2O_LayerKVCache``):
+    ``int(seen * ratio * hh_split)`` and ``int(seen * ratio * recent_split)`` in float32, ``seen`` = prompt + 1."""
+    heavy = torch.tensor(float(seen)) * (ratios.float() * (1 - recent_fraction))
+    recent = torch.tensor(float(seen)) * (ratios.float() * recent_fraction)
+    return [(int(h), int(r)) for h, r in zip(heavy.tolist(), recent.tolist())]
 
 
 # ---- token level ---------------------------------------------------------------------------------------------------
@@ -181,6 +197,33 @@ def ema_gate(m: torch.Tensor, e_valid: torch.Tensor | None, tau: torch.Tensor, b
     merge = e_valid & (m.double() >= threshold.unsqueeze(-1))
     updated = torch.where(fresh, mean_m, beta * mean_m + (1 - beta) * tau)
     return merge, torch.where(count > 0, updated, tau)
+
+
+def official_gate(m: torch.Tensor, e_valid: torch.Tensor | None, tau: torch.Tensor, beta: float):
+    """The official code's merge decisions (``D2O_LayerKVCache.__call__``): tau is updated first,
+    ``tau = m_bar`` (first call) or ``(1 - beta) tau + beta m_bar`` with ``m_bar`` the mean maximum similarity over
+    every head and evicted slot, and evicted slot i is merged in every head iff the head mean of its maxima reaches
+    the updated tau. In float32, as the code computes it.
+
+    m: ``(B, H, e)`` per-head maxima; e_valid ``(B, e)`` (False at empty slots) or None; tau ``(B, 1)`` (NaN = not
+    initialised). Returns merge ``(B, H, e)`` and tau ``(B, 1)``. One evicted token per head (a decode step) makes
+    update-then-compare equal to compare-then-update (methods.md A1.4); several (the first eviction) do not.
+    """
+    m = m.float()
+    slot = m.mean(1)  # (B, e)
+    if e_valid is None:
+        count = torch.full(slot.shape[:1], slot.shape[-1], device=m.device)
+        m_bar = slot.mean(-1)
+    else:
+        count = e_valid.sum(-1)
+        m_bar = slot.masked_fill(~e_valid, 0.0).sum(-1) / count.clamp(min=1)
+    old = tau[:, 0].float()
+    new = torch.where(torch.isnan(old), m_bar, (1 - beta) * old + beta * m_bar)
+    new = torch.where(count > 0, new, old)
+    merge = slot >= new.unsqueeze(-1)
+    if e_valid is not None:
+        merge &= e_valid
+    return merge.unsqueeze(1).expand_as(m), new.double().unsqueeze(-1)
 
 
 def merge_into(x: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, m: torch.Tensor, merge: torch.Tensor,

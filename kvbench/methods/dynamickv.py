@@ -6,7 +6,6 @@ arXiv:2412.14838; paper 001), code DreamMr/DynamicKV (``dynamic_v11.py``). refer
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -14,84 +13,42 @@ import torch
 
 from kvbench.engine.scores import aggregate_group, pool1d, window_attention
 from kvbench.errors import ConfigError
-from kvbench.methods.base import Method, PrefillContext, check_choice, check_positive, keep_top
+from kvbench.methods.base import (
+    Method,
+    PrefillContext,
+    check_choice,
+    check_positive,
+    expand_to_query_heads,
+    keep_top,
+)
+from kvbench.methods.dynamickv_ops import (
+    KEY,
+    allocate,
+    allocate_official,
+    layer_counts,
+    mark_new_copies,
+    model_dtype_votes,
+    rank_key,
+    water_fill,
+    window_order,
+)
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
 
 POOLING = ("avg", "max")
 GRANULARITY = ("kv_head", "query_head")
-KEY = "dynamickv_rank"  # per-entry rank key during prefill: pooled score, window +inf, bug_compat copies < 0
-
-
-def allocate(counts: list[int], bs: int, base: int, num_layers: int) -> list[int]:
-    """Eqs. 6-8 in the code's form: ``Z_i = floor(bs c_i / sum c)``, rescaled to ``sum Z = base L_total`` with
-    ``floor(Z_i base L / sum Z)`` and the rounding remainder added to the last entry (exact integer arithmetic)."""
-    total = sum(counts)
-    z = [bs * c // total for c in counts] if total else [0] * len(counts)
-    target, s = base * num_layers, sum(z)
-    z = [x * target // s for x in z] if s else [0] * len(z)
-    z[-1] += target - sum(z)
-    return z
-
-
-def water_fill(z: list[int], caps: list[int], target: int) -> list[int]:
-    """Clamp ``z_i <= caps_i`` and give the excess to the unclamped layers in proportion to their ``z`` (Eq. 8
-    repeated among them, remainder to the last), until nothing exceeds its cap (methods.md A2.6 item 5 fix)."""
-    out, free = list(z), list(range(len(z)))
-    while True:
-        over = [i for i in free if out[i] > caps[i]]
-        if not over:
-            return out
-        for i in over:
-            out[i] = caps[i]
-            free.remove(i)
-        if not free:
-            return out
-        remaining = target - sum(caps[i] for i in range(len(z)) if i not in free)
-        source = sum(z[i] for i in free)
-        for i in free:
-            out[i] = z[i] * remaining // source if source else 0
-        out[free[-1]] += remaining - sum(out[i] for i in free)
-
-
-def layer_counts(scores: list[torch.Tensor], row: int, base: int) -> list[int]:
-    """Eq. 5: flat top-``base H l`` over the window scores of layers ``0..l-1`` (one row); count per layer, then
-    ``// l`` as the code does. scores: per layer ``(B, H, n - ws)``, ``-inf`` at padding."""
-    flat = torch.stack([s[row] for s in scores]).flatten()
-    done, h, past = len(scores), *scores[0].shape[1:]
-    top = torch.topk(flat, base * h * done, sorted=False).indices
-    return (torch.bincount(top // (h * past), minlength=done) // done).tolist()
-
-
-def window_order(layer: KVLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Window entries (rank key +inf, valid) first, in position order: mask, order, sorted positions, sentinel."""
-    key = layer.state[KEY]
-    win = torch.isposinf(key) if layer.valid is None else torch.isposinf(key) & layer.valid
-    big = int(layer.positions.max()) + 1
-    by_pos = torch.where(win, layer.positions, big)
-    order = torch.argsort(by_pos, dim=-1, stable=True)
-    return win, order, by_pos.gather(-1, order), big
-
-
-def mark_new_copies(layer: KVLayer) -> None:
-    """bug_compat: rank each new window copy below every kept entry and older copy (the code appends them last)."""
-    key = layer.state[KEY]
-    win, order, sorted_pos, big = window_order(layer)
-    older = (torch.isfinite(key) & (key < 0)).sum(-1, keepdim=True)
-    second = torch.cat([torch.zeros_like(win[..., :1]), (sorted_pos[..., 1:] == sorted_pos[..., :-1])], -1)
-    second &= sorted_pos < big
-    rank = (second.cumsum(-1) - 1 + older).float()
-    new_sorted = torch.where(second, -(1.0 + rank), key.gather(-1, order))
-    layer.state[KEY] = key.scatter(-1, order, new_sorted)
-
-
-@functools.cache
-def expand_to_query_heads(layer: KVLayer, group: int) -> None:
-    """``repeat_kv`` into the cache (official code): ``(B, Hkv, n, D)`` -> ``(B, Hq, n, D)``, head h on h // group."""
-    for name in ("keys", "values", "positions", "valid"):
-        if getattr(layer, name) is not None:
-            setattr(layer, name, getattr(layer, name).repeat_interleave(group, dim=1))
+VARIANTS = ("paper", "official_code")
+SCHEDULES = ("paper", "official_code")
+SCORE_DTYPES = ("float32", "model")
+ARITHMETIC = ("exact", "official_code")
+# what a field left at None resolves to, per variant (official_code: DreamMr/DynamicKV 8ab3c08, dynamic_v11.py)
+VARIANT_DEFAULTS = {
+    "paper": {"granularity": "kv_head", "count_remainder": False, "schedule": "paper", "score_dtype": "float32",
+              "allocation_arithmetic": "exact"},
+    "official_code": {"granularity": "query_head", "count_remainder": True, "schedule": "official_code",
+                      "score_dtype": "model", "allocation_arithmetic": "official_code"},
+}
 
 
 @dataclass
@@ -107,7 +64,20 @@ class DynamicKV(Method):
     ``(B, H, Z_l + ws, D)``; ``self.last_allocation`` holds row 0's per-layer entries (the paper's Figure 2 data),
     ``self.last_allocations`` every row's.
 
-    Paper vs official code (default = paper with methods.md's resolutions; the code's behaviour as options):
+    Paper vs official code: ``variant="paper"`` (default) is the paper with methods.md's resolutions;
+    ``variant="official_code"`` resolves every field left at None to DreamMr/DynamicKV's behaviour (8ab3c08,
+    ``dynamic_v11.py`` + ``llama_model_impl/dynamickv_v11.py``): granularity query_head, count_remainder, the
+    code's update schedule, model-dtype scores and the code's float arithmetic. Resolved values are what
+    ``describe()`` records. The window duplication stays a separate ``bug_compat`` (off by default in both):
+
+    * ``schedule="paper"``: re-allocate after layers ``m-1, 2m-1, ...`` and once more after the last layer, so every
+      layer ends at its final budget. ``"official_code"``: only when ``layer_idx % m == m - 1``; on a model whose
+      layer count is not a multiple of m the layers after the last such update keep their temporary
+      ``bs + ws`` entries (on 30 layers, layers 28 and 29: 1.5-1.6x the budget stays resident, really held).
+    * ``score_dtype="float32"``: window attention summed and pooled in float32. ``"model"``: the code's model-dtype
+      logits, softmax rounded back to the model dtype, sum and pooling in the model dtype (``model_dtype_votes``).
+    * ``allocation_arithmetic="exact"``: Eqs. 6-8 in exact integers. ``"official_code"``: the code's float32 shares
+      and Python-float rescale (``allocate_official``), one token apart where a product lands on an integer.
 
     * ``bug_compat=False`` (default): ``Z_i`` is clamped to what layer i still holds and the excess goes to the
       unclamped layers (``water_fill``). ``True``: the code's ``k_cache[:, :, :Z_i]`` reaches into the window when
@@ -117,33 +87,42 @@ class DynamicKV(Method):
       selection; the cache holds ``H_q`` heads (resident bytes grow by the group size; a layer subclass repeats
       decode-time K/V on append).
     * ``pooling="avg"`` (the Llama-3 scripts); the official Mistral/Qwen2 scripts use ``"max"``. ws 8, kernel 7,
-      r_max 10, m 4 are the code's values (missing from the paper, A2.6 item 7).
-    * ``count_remainder=False`` (paper, Algorithm 1 line 6); ``True``: the code's final-layer step that adds
-      ``base H - sum_i floor(c_i / L)`` to the last layer's count before normalising.
+      r_max 10, m 4 are the code's values (missing from the paper, A2.6 item 7); the Qwen2 script passes no
+      ``--radio_max``, so ``pred.py``'s default 5.0 applies there (``r_max=5``).
+    * ``count_remainder=False`` (paper, Algorithm 1 line 6); ``True`` (official_code): the code's step at an update
+      after the last layer that adds ``base H - sum_i floor(c_i / L)`` to the last layer's count before normalising.
     * Eq. 7 normalises by ``max(C)``, the code by ``sum C``: the Eq. 8 rescale undoes either up to rounding; the
-      code form is used (A2.6 item 3), in exact integers where the code uses float32.
-    * Kept tokens are stored in position order, not score order (equivalent, A2.6 item 8); scores in float32
-      (the code rounds the softmax to the model dtype before summing); when L is not a multiple of m the final
-      update still runs (A2.3 step 6; the code would skip it).
+      code form is used (A2.6 item 3), in exact integers unless ``allocation_arithmetic="official_code"``.
+    * Kept tokens are stored in position order, not score order (equivalent, A2.6 item 8).
 
     Rows whose prompt fits the budget keep everything; left-padded batches allocate per row (padding never
     scores or counts). The KVLayers of the current forward are held between ``prefill`` calls (reset at layer 0).
     """
 
     name: ClassVar[str] = "dynamickv"
+    compression: ClassVar[str] = "prefill"
     window: int = 8
     kernel: int = 7
     pooling: str = "avg"
     r_max: float = 10.0
     update_interval: int = 4
-    granularity: str = "kv_head"
+    variant: str = "paper"
+    granularity: str | None = None
     bug_compat: bool = False
-    count_remainder: bool = False
+    count_remainder: bool | None = None
+    schedule: str | None = None
+    score_dtype: str | None = None
+    allocation_arithmetic: str | None = None
 
     def __post_init__(self) -> None:
+        check_choice(self.name, "variant", self.variant, VARIANTS)
+        for key, value in VARIANT_DEFAULTS[self.variant].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         check_positive(self.name, window=self.window, kernel=self.kernel, update_interval=self.update_interval)
-        check_choice(self.name, "pooling", self.pooling, POOLING)
-        check_choice(self.name, "granularity", self.granularity, GRANULARITY)
+        for key, choices in (("pooling", POOLING), ("granularity", GRANULARITY), ("schedule", SCHEDULES),
+                             ("score_dtype", SCORE_DTYPES), ("allocation_arithmetic", ARITHMETIC)):
+            check_choice(self.name, key, getattr(self, key), choices)
         if not self.r_max >= 1:
             raise ConfigError(f"method 'dynamickv': r_max={self.r_max!r} must be >= 1 (bs = r_max x average budget)")
         self.last_allocation: list[int] = []
@@ -170,8 +149,11 @@ class DynamicKV(Method):
         if ctx.n <= self.window or all(base < 0 for _, base, _ in self._rows):
             return
         ws, n = self.window, ctx.n
-        probs = window_attention(ctx.queries, layer.keys, ws, ctx.scaling, ctx.key_valid)  # (B, Hq, ws, n)
-        votes = probs[..., : n - ws].sum(-2)
+        if self.score_dtype == "model":
+            votes = model_dtype_votes(ctx.queries, layer.keys, ws, ctx.scaling, ctx.key_valid)  # (B, Hq, n - ws)
+        else:
+            probs = window_attention(ctx.queries, layer.keys, ws, ctx.scaling, ctx.key_valid)  # (B, Hq, ws, n)
+            votes = probs[..., : n - ws].sum(-2)
         if self.granularity == "kv_head":
             votes = aggregate_group(votes, ctx.num_kv_heads, "mean")
         elif ctx.num_heads > layer.keys.shape[1]:
@@ -181,11 +163,14 @@ class DynamicKV(Method):
             scores = scores.masked_fill(~ctx.key_valid[:, None, : n - ws], float("-inf"))
         self._layers.append(layer)
         self._scores.append(scores)
-        layer.state[KEY] = torch.cat([scores, scores.new_full((*scores.shape[:2], ws), float("inf"))], dim=-1)
+        layer.state[KEY] = torch.cat([rank_key(scores, self._rows), scores.new_full((*scores.shape[:2], ws),
+                                                                                    float("inf"))], dim=-1)
         keep = [n_row if base < 0 else bs + ws for n_row, base, bs in self._rows]
         keep_top(layer, layer.state[KEY], keep)
-        if ctx.layer_idx % self.update_interval == self.update_interval - 1 and ctx.layer_idx < ctx.num_layers - 1:
-            self._update(ctx.num_layers, final=False)
+        last = ctx.layer_idx == ctx.num_layers - 1
+        if ctx.layer_idx % self.update_interval == self.update_interval - 1 and (
+                not last or self.schedule == "official_code"):  # paper: the last layer's update is finish_prefill's
+            self._update(ctx.num_layers, final=last)
 
     def sample_stats(self, row: int) -> dict:
         """``layer_allocation``: entries per layer of ``row`` after the final re-allocation (window included; KV
@@ -198,7 +183,8 @@ class DynamicKV(Method):
         if self._scores:
             if len(self._layers) != len(layers) or any(a is not b for a, b in zip(self._layers, layers)):
                 raise RuntimeError("dynamickv: prefill was not called for every layer of this forward, in order")
-            self._update(ctx.num_layers, final=True)
+            if self.schedule == "paper":
+                self._update(ctx.num_layers, final=True)
             for layer in layers:
                 layer.state.pop(KEY, None)
         self.last_allocations = [list(row) for row in zip(*(layer.valid_counts()[:, 0].tolist() for layer in layers))]
@@ -216,7 +202,7 @@ class DynamicKV(Method):
             counts = layer_counts(self._scores, row, base)
             if final and self.count_remainder:
                 counts[-1] += base * self._scores[0].shape[1] - sum(counts)
-            z = allocate(counts, bs, base, num_layers)
+            z = (allocate if self.allocation_arithmetic == "exact" else allocate_official)(counts, bs, base, num_layers)
             held = [int(layer.valid_counts()[row, 0]) - ws for layer in self._layers]
             if self.bug_compat:
                 z = [min(x, n - ws) for x in z]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.engine.scores import aggregate_group
+from kvbench.engine.scores import aggregate_group, window_attention, window_causal_column_sums
 from kvbench.methods.base import (
     DecodeContext,
     Method,
@@ -25,11 +25,16 @@ from kvbench.methods.base import (
     real_rank,
     unpadded_overflow,
 )
+from kvbench.methods.snapkv import GRANULARITY, to_query_heads
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
 
-VARIANTS = ("paper", "prefill_only")
+#: ``prefill_only`` and the ``kvfactory_*`` readings are KVCache-Factory's ``H2OKVCluster`` at three periods:
+#: ``kvfactory_2406`` the last window's queries only (until 98e8228, 2024-10-13), ``kvfactory_2410`` all queries with
+#: only the last w x w block masked (98e8228 to 9f9aa2e, 2026-06-22), ``prefill_only`` all queries, causal (since)
+VARIANTS = ("paper", "prefill_only", "kvfactory_2406", "kvfactory_2410")
+PREFILL_ONLY = ("prefill_only", "kvfactory_2406", "kvfactory_2410")
 GROUP_AGG = ("mean", "max")
 
 
@@ -45,44 +50,59 @@ class H2O(Method):
     cache exceeds the budget, the non-recent entry with the lowest ``acc`` is evicted, so the cache stays at
     ``budget`` entries.
 
-    ``prefill_only``: KVCache-Factory's reading (DynamicKV Table 1, D2O Table 21): scores are the column sums over
-    all prompt queries, keep the top ``budget - window`` plus the last ``window`` (32) tokens, no decode eviction.
+    KVCache-Factory's one-shot prefill readings (no decode eviction; keep the top ``budget - window`` past tokens
+    plus the last ``window``), named by the period of its code (docs/baseline_readings.md says which table used which):
 
-    GQA: per-query-head scores are averaged over each KV group (``group_agg="mean"`` as KVMerger's H2O; OmniKV's
-    port uses ``max``). Column sums are computed in query chunks, never as an n x n matrix: together with the layer's
-    attention output when the prompt is unpadded (``attend_with_column_sums``), else in ``chunk``-query passes.
+    * ``prefill_only``: scores are the column sums of causal attention over all prompt queries (its code since
+      9f9aa2e, 2026-06-22);
+    * ``kvfactory_2410``: all prompt queries, but only the last ``window`` x ``window`` block masked: queries before
+      the window see later tokens too (98e8228, 2024-10-13, to 9f9aa2e);
+    * ``kvfactory_2406``: the last ``window`` queries only (causal inside the window), no pooling: SnapKV with kernel
+      1 (until 98e8228).
+
+    Selection is ``torch.topk`` over the past tokens alone, then the window/recent tokens appended (as the H2O and
+    KVCache-Factory code), so ties break as theirs; kept tokens are stored in position order.
+    GQA: ``granularity="kv_head"`` (default): per-query-head scores are averaged over each KV group (``group_agg=
+    "mean"`` as KVMerger's H2O and KVCache-Factory's ``kv_head`` mode; OmniKV's port uses ``max``).
+    ``"query_head"``: K/V repeated to the query heads, one kept set (and accumulated score) per query head, as the H2O
+    code and KVCache-Factory's default mode (caches ``Hq / Hkv`` times larger). Column sums are computed in query
+    chunks, never as an n x n matrix: together with the layer's attention output when the prompt is unpadded
+    (``attend_with_column_sums``), else in ``chunk``-query passes.
     """
 
     name: ClassVar[str] = "h2o"
+    compression: ClassVar[str] = "prefill"
     needs_decode_probs: ClassVar[bool] = True
     recent_ratio: float = 0.5
     window: int = 32
     variant: str = "paper"
     group_agg: str = "mean"
+    granularity: str = "kv_head"
     chunk: int = 512
 
     def __post_init__(self) -> None:
         check_positive(self.name, window=self.window, chunk=self.chunk)
         check_choice(self.name, "variant", self.variant, VARIANTS)
         check_choice(self.name, "group_agg", self.group_agg, GROUP_AGG)
+        check_choice(self.name, "granularity", self.granularity, GRANULARITY)
         if not 0 < self.recent_ratio < 1:
             from kvbench.errors import ConfigError
 
             raise ConfigError(f"method 'h2o': recent_ratio={self.recent_ratio} must be in (0, 1)")
-        # the prefill-only reading never looks at decode attention, so it keeps the fast decode path
+        # the prefill-only readings never look at decode attention, so they keep the fast decode path
         self.needs_decode_probs = self.variant == "paper"
         self._recent_cache: dict[tuple[int, ...], list[int]] = {}  # host capacities -> recent sizes
 
     def min_budget_tokens(self) -> int:
-        return self.window + 1 if self.variant == "prefill_only" else 2
+        return self.window + 1 if self.variant in PREFILL_ONLY else 2
 
     def min_budget_reason(self) -> str:
-        if self.variant == "prefill_only":
+        if self.variant in PREFILL_ONLY:
             return f"the window of {self.window} recent tokens is part of the budget"
         return "one heavy hitter and one recent token"
 
     def _recent(self, capacity: torch.Tensor) -> torch.Tensor:
-        if self.variant == "prefill_only":
+        if self.variant in PREFILL_ONLY:
             return torch.full_like(capacity, self.window)
         return torch.clamp(torch.round(capacity * self.recent_ratio).long(), 1, None).clamp(max=capacity - 1)
 
@@ -92,14 +112,26 @@ class H2O(Method):
         return acc.masked_fill(recent, float("inf"))
 
     def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        if self.variant in ("kvfactory_2406", "kvfactory_2410"):
+            return None  # their scores are not the causal column sums: the backend's attention
         return attend_with_column_sums(layer, ctx)  # the prompt's attention and its column sums in one pass
 
+    def _prompt_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+        """Per-query-head scores ``(B, Hq, n)`` of the variant."""
+        if self.variant == "kvfactory_2406":
+            return window_attention(ctx.queries, layer.keys, self.window, ctx.scaling, ctx.key_valid).sum(-2)
+        if self.variant == "kvfactory_2410":
+            return window_causal_column_sums(ctx.queries, layer.keys, self.window, ctx.scaling, ctx.key_valid,
+                                             chunk=self.chunk)
+        return prompt_column_sums(layer, ctx, self.chunk)
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        sums = prompt_column_sums(layer, ctx, self.chunk)  # (B, Hq, n)
-        acc = aggregate_group(sums, ctx.num_kv_heads, self.group_agg)
+        to_query_heads(layer, ctx, self.granularity)
+        acc = aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], self.group_agg)
         if self.variant == "paper":
             layer.state["acc"] = acc
-        keep_top(layer, self._scores(layer, acc, ctx.capacity), ctx.capacity)
+        recent = self._recent_host(tuple(int(c) for c in ctx.capacity.tolist()))
+        keep_top(layer, self._scores(layer, acc, ctx.capacity), ctx.capacity, window=recent)
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper" or ctx.probs is None:
@@ -116,6 +148,13 @@ class H2O(Method):
                 layer.evict_one(layer.state["acc"][..., : layer.num_entries - recent[0]].argmin(-1))
                 return
         keep_top(layer, self._scores(layer, layer.state["acc"], ctx.capacity), ctx.capacity)
+
+    def static_policy(self, capacity: int):
+        from kvbench.engine.static import StaticPolicy
+
+        if self.variant != "paper":
+            return StaticPolicy()
+        return StaticPolicy("score", recent=self._recent_host((capacity,))[0], accumulate=True)
 
     def _recent_host(self, caps: tuple[int, ...]) -> list[int]:
         """``_recent`` of host capacities, with the same float32 arithmetic (computed on the CPU, once per value)."""

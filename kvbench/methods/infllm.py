@@ -81,6 +81,7 @@ class InfLLM(Method):
     """
 
     name: ClassVar[str] = "infllm"
+    compression: ClassVar[str] = "attention"
     supports_batching: ClassVar[bool] = False
     block_size: int = 32
     n_init: int | None = None
@@ -114,7 +115,7 @@ class InfLLM(Method):
         return self.n_local is not None
 
     def min_budget_tokens(self) -> int:
-        return 2 * self.block_size
+        return 1 if self.explicit else 2 * self.block_size  # n_init, n_local, topk given: the budget is unused
 
     def min_budget_reason(self) -> str:
         return f"init tokens, one block of {self.block_size} and a local window"
@@ -127,6 +128,14 @@ class InfLLM(Method):
                                   f"{self.repr_topk / self.block_size:g}, the representative keys' share of Mem% "
                                   "(A3.6)")
         self._budget = budget
+
+    def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
+        """Every block is retrieved while there are at most ``topk`` (and the unblocked tail is attended whole): a
+        prompt attends to less than itself only beyond ``n_init + topk * block_size + n_local + block_size``."""
+        if not self.explicit and (budget.is_full or budget.tokens_for(prompt_len) >= prompt_len):
+            return "none"
+        n_init, topk, n_local = self.resolve(prompt_len)
+        return "attention" if prompt_len > n_init + (topk + 1) * self.block_size + n_local else "none"
 
     def budget_label(self, budget: Budget) -> str | None:
         if self.explicit:
@@ -154,7 +163,7 @@ class InfLLM(Method):
         """Attention of the queries at positions ``start .. start+m-1`` (``query`` ``(1, Hq, m, D)`` post-RoPE) over
         the entries ``0 .. start+m-1`` of ``keys``/``values`` ``(1, Hkv, T, D)``; updates ``mem``. Returns the output
         ``(1, Hq, m, D)`` and the number of entries the last query attended."""
-        from kvbench.engine.session import rotate_keys
+        from kvbench.engine.rope import rotate_keys
 
         n_init, topk, n_local = self._params
         bs = self.block_size
@@ -199,7 +208,7 @@ class InfLLM(Method):
 
     def _form_blocks(self, mem: _Memory, keys, stop: int, inv_freq) -> None:
         """Blocks whose tokens are all at distance >= n_local from the newest token join the memory."""
-        from kvbench.engine.session import rotate_keys
+        from kvbench.engine.rope import rotate_keys
 
         n_init, _, n_local = self._params
         bs = self.block_size

@@ -29,7 +29,7 @@ def lambda_attention(q, q_pos, glob, local, window, inv_freq, scaling):
     ``n_local``: the query is re-rotated to position ``n_local`` and the key to position 0 (the official
     ``limit_distance = local_branch``). Every other pair is masked. Returns the output ``(B, Hkv, g, c, D)``.
     """
-    from kvbench.engine.session import rotate_keys
+    from kvbench.engine.rope import rotate_keys
 
     b, hkv, g, c, d = q.shape
     lim = window.view(b, 1, 1, 1)
@@ -73,6 +73,7 @@ class LMInfinite(Method):
     """
 
     name: ClassVar[str] = "lminfinite"
+    compression: ClassVar[str] = "prefill"
     n_global: int = 10
     chunk: int = 512
 

@@ -29,6 +29,7 @@ class LocalWindow(Method):
     """
 
     name: ClassVar[str] = "local"
+    compression: ClassVar[str] = "prefill"
 
     @staticmethod
     def _keep_scores(layer: KVLayer, capacity: torch.Tensor) -> torch.Tensor:
@@ -42,3 +43,8 @@ class LocalWindow(Method):
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)
+
+    def static_policy(self, capacity: int):
+        from kvbench.engine.static import StaticPolicy
+
+        return StaticPolicy("oldest")  # the window: the oldest entry leaves

@@ -28,6 +28,7 @@ class LoCoCo(Method):
     """
 
     name: ClassVar[str] = "lococo"
+    compression: ClassVar[str] = "prefill"
     requires_training: ClassVar[bool] = True
 
     def validate(self, budget: Budget) -> None:

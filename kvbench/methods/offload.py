@@ -78,6 +78,8 @@ class BrutalOffload(Method):
     """
 
     name: ClassVar[str] = "offload"
+    #: every token stays (the prompt's in host memory) and is attended; the budget is unused
+    compression: ClassVar[str] = "none"
     supports_batching: ClassVar[bool] = False
     requires_cuda: ClassVar[bool] = True
     offload_start: int | float = 0.375

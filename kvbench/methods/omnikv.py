@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvbench.budget import Budget
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive
+from kvbench.methods.omnikv_select import select_by_last_query, select_by_window
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
 
 SELECTORS = ("last", "softmax_before_last", "uniform", "exp")
+WINDOW_READINGS = ("official_code", "paper")
 OFFLOAD = ("off", "on", "always")
 log = logging.getLogger("kvbench")
 #: Llama-3-8B-262K's filter layers (the paper's main setting), as fractions of depth for models without their own.
@@ -37,16 +39,32 @@ class OmniKV(Method):
     token. One index set serves all heads and layers of a segment.
 
     Budget: ``budget=128`` is ``k`` = 128 selected prompt tokens per step (Table 3). A ratio ``budget=0.3`` is the
-    paper's Mem% (resident GPU fraction): with dense fraction ``f = (2 |filters| + L0) / L``, ``r = (Mem - f) /
-    (1 - f)`` and ``k = floor(r n)`` (Llama-3-8B, Mem 30 % -> r = 0.0667). ``mem_formula=False`` reads the ratio as
-    ``k / n`` directly. Resident KV is the full cache (offloading is an efficiency option, not a quality one);
-    attended entries per step are reported separately.
+    paper's Mem% (resident GPU fraction): with dense fraction ``f`` = the layers that attend densely / L,
+    ``r = (Mem - f) / (1 - f)`` and ``k = floor(r n)`` (Llama-3-8B, Mem 30 % -> r = 0.0667). The dense layers are
+    those below the first filter layer, the filter layers and their ``wait_layers`` layers, counted once: the paper's
+    ``f = (2 |filters| + L0) / L`` for one wait layer and filters that do not overlap. ``mem_formula=False`` reads
+    the ratio as ``k / n`` directly. Resident KV is the full cache (offloading is an efficiency option, not a
+    quality one); attended entries per step are reported separately.
 
-    Selectors: ``last`` (official code, default: raw logits ``q k / sqrt(d)`` of the last query, max over query
+    Selectors: ``last`` (official code, default: raw logits ``q k * scaling`` of the last query, max over query
     heads), ``softmax_before_last`` (the paper's text: probabilities, then max over heads), ``uniform`` / ``exp``
-    (the last ``window`` queries, weights 1 or ``2^(u - (w-1))``; window positions still in the prompt are always
-    selected and count against ``k``). Filter layers default to Llama-3-8B's {2, 8, 18} scaled to the model's depth;
-    set ``filter_layers`` per model as the paper does (Yi-9B {6, 11, 30}, Llama-3.1-70B {4, 19, 41}).
+    (the last ``window`` queries, weights 1 or ``2^(u - (w-1))``, each row's probabilities max over query heads).
+    ``scaling`` is the attention module's own softmax scale (``1/sqrt(d)`` on Llama, as the official code writes it).
+    The window's rows that are still prompt queries (``p`` of them, ``window - 1`` at the first decode step, none
+    once ``window`` tokens were generated) are read two ways (``window_reading``):
+
+    * ``official_code`` (default; antgroup/OmniKV 5c33cb5, ``OmniKVMulLayer.forward``): the window's prompt tokens
+      are always selected and left out of the scoring: the softmax and the top-k run over the first ``n - p`` prompt
+      tokens, with ``max(1, k - p)`` chosen (so ``max(1, k - p) + p`` tokens when ``k < p + 1``); every window
+      query is rotated at the *current* decode position (the code re-projects the window's hidden states and
+      applies RoPE with the step's ``position_ids``), which needs a re-rotatable RoPE (``ctx.rope_inv_freq``);
+    * ``paper``: the formulas of methods.md A3.3 as printed (kvbench's reading before the official code was run):
+      window queries at their own positions, softmax over all ``n`` prompt tokens; the ``p`` window positions are
+      forced into the top-``k`` and count against it.
+
+    ``tests/test_parity_omnikv.py`` pins ``official_code`` to the official code's selections for all four selectors.
+    Filter layers default to Llama-3-8B's {2, 8, 18} scaled to the model's depth; set ``filter_layers`` per model as
+    the paper does (Yi-9B {6, 11, 30}, Llama-3.1-70B {4, 19, 41}).
     Batch size 1, as the official code (its index set is flattened over the batch).
 
     ``offload="on"``: the paper's context bank (§3.3, A3.5). After prefill the prompt KV of every sparse layer moves
@@ -59,11 +77,13 @@ class OmniKV(Method):
     """
 
     name: ClassVar[str] = "omnikv"
+    compression: ClassVar[str] = "attention"
     supports_batching: ClassVar[bool] = False
     filter_layers: list[int] | None = None
     wait_layers: int = 1
     selector: str = "last"
     window: int = 16
+    window_reading: str = "official_code"
     mem_formula: bool = True
     offload: str = "off"
     _budget: Budget | None = field(default=None, init=False, repr=False)
@@ -72,13 +92,15 @@ class OmniKV(Method):
         check_positive(self.name, window=self.window)
         check_choice(self.name, "selector", self.selector, SELECTORS)
         check_choice(self.name, "offload", self.offload, OFFLOAD)
+        check_choice(self.name, "window_reading", self.window_reading, WINDOW_READINGS)
         if self.wait_layers < 0:
             raise ConfigError(f"method 'omnikv': wait_layers={self.wait_layers} must be >= 0")
         if self.filter_layers is not None and (not self.filter_layers or min(self.filter_layers) < 0):
             raise ConfigError(f"method 'omnikv': filter_layers={self.filter_layers!r} must be non-empty layer indices")
         self._filters: dict[int, list[int]] = {}
         self._selection: dict[int, torch.Tensor] = {}
-        self._window_queries: dict[int, torch.Tensor] = {}
+        self._window_queries: dict[int, torch.Tensor] = {}  # filter layer -> last ``window`` queries (B, Hq, w, D)
+        self._window_positions: dict[int, torch.Tensor] = {}  # filter layer -> their positions (B, w)
         self._prefill_len = 0
         self._bank: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sparse layer -> prompt K, V on the CPU
         self._said_noop = False
@@ -112,6 +134,20 @@ class OmniKV(Method):
         source = max(f for f in filters if f < layer_idx)
         return None if layer_idx - source <= self.wait_layers else source
 
+    def check_layers(self, num_layers: int) -> None:
+        if not any(self._segment_filter(layer, num_layers) is not None for layer in range(num_layers)):
+            raise ConfigError(
+                f"method 'omnikv': filter layers {self.filters(num_layers)} (+ {self.wait_layers} wait layer(s) each) "
+                f"leave no sparse layer among the {num_layers} layers it compresses: every layer would attend densely, "
+                f"FullKV under OmniKV's name; set method.filter_layers (e.g. [0])"
+            )
+
+    def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
+        """Sparse layers exist only past the first filter layer and outside each filter's ``wait_layers``."""
+        kind = super().expected_compression(budget, prompt_len, num_layers)
+        sparse = any(self._segment_filter(layer, num_layers) is not None for layer in range(num_layers))
+        return kind if sparse and self.selected_tokens(prompt_len, num_layers) < prompt_len else "none"
+
     def selected_tokens(self, n: int, num_layers: int) -> int:
         """k: prompt tokens a sparse layer attends to per step."""
         budget = self._budget
@@ -122,12 +158,14 @@ class OmniKV(Method):
         if not self.mem_formula:
             return max(1, math.floor(budget.value * n))
         filters = self.filters(num_layers)
-        dense = (2 * len(filters) + filters[0]) / num_layers
-        ratio = (budget.value - dense) / (1 - dense)
+        dense_layers = sum(self._segment_filter(layer, num_layers) is None for layer in range(num_layers))
+        dense = dense_layers / num_layers
+        ratio = (budget.value - dense) / (1 - dense) if dense < 1 else 0.0
         if ratio <= 0:
             raise ConfigError(
                 f"method 'omnikv': Mem {budget.value:g} is below the dense fraction {dense:.3f} of the layers "
-                f"({len(filters)} filter layers + {filters[0]} leading dense layers of {num_layers})"
+                f"({dense_layers} dense of {num_layers}: {filters[0]} leading, {len(filters)} filter layers and "
+                f"their wait_layers={self.wait_layers})"
             )
         return max(1, math.floor(ratio * n))
 
@@ -136,9 +174,17 @@ class OmniKV(Method):
         if ctx.layer_idx == 0:
             self._selection.clear()
             self._window_queries.clear()
+            self._window_positions.clear()
             self._prefill_len = ctx.n
         if ctx.layer_idx in self.filters(ctx.num_layers) and self.selector in ("uniform", "exp"):
+            if self.window_reading == "official_code" and ctx.rope_inv_freq is None:
+                raise NotAvailableError(
+                    "method 'omnikv': window_reading=official_code rotates the window's queries at the current "
+                    "decode position, which needs a RoPE that can be re-rotated (rope_type default, linear or llama3 "
+                    "with attention_scaling 1); this model's cannot: use window_reading=paper"
+                )
             self._window_queries[ctx.layer_idx] = ctx.queries[..., -self.window :, :]
+            self._window_positions[ctx.layer_idx] = layer.positions[:, 0, -self.window :]
 
     def finish_prefill(self, layers: list[KVLayer], ctx: PrefillContext) -> None:
         self._bank.clear()
@@ -194,32 +240,25 @@ class OmniKV(Method):
         return index.unsqueeze(1).expand(-1, layer.keys.shape[1], -1)
 
     def _choose(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
-        """Top-k prompt entries for this step, from this filter layer's query (or recent queries)."""
+        """Top-k prompt entries ``(B, k')`` for this step, from this filter layer's query (or recent queries)."""
         n = self._prefill_len
         k = self.selected_tokens(n, ctx.num_layers)
         if k >= n:
             return None
         keys = layer.keys[:, :, :n]  # (B, Hkv, n, D)
-        b, hkv, _, d = keys.shape
-        if self.selector in ("uniform", "exp"):
-            recent = torch.cat([self._window_queries[ctx.layer_idx], ctx.query], dim=2)[..., -self.window :, :]
-            self._window_queries[ctx.layer_idx] = recent
-        else:
-            recent = ctx.query[..., -1:, :]
-        w = recent.shape[2]
-        q = recent.reshape(b, hkv, -1, w, d)  # (B, Hkv, g, w, D)
-        logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys).float() / math.sqrt(d)
-        if self.selector == "last":
-            return torch.topk(logits[..., -1, :].amax(dim=(1, 2)), k, dim=-1).indices.sort(-1).values
-        probs = torch.softmax(logits, dim=-1).amax(dim=(1, 2))  # (B, w, n): max over query heads
-        if self.selector == "softmax_before_last":
-            return torch.topk(probs[:, -1], k, dim=-1).indices.sort(-1).values
-        weights = torch.ones(w, device=probs.device)
-        if self.selector == "exp":
-            weights = 2.0 ** (torch.arange(w, device=probs.device) - (w - 1)).float()
-        scores = (probs * weights.view(1, -1, 1)).sum(1)  # (B, n)
-        # the window's own positions that are still prompt tokens are always kept and count against k
-        window_start = layer.num_entries - w
-        if window_start < n:
-            scores[:, max(0, window_start) :] = float("inf")
-        return torch.topk(scores, k, dim=-1).indices.sort(-1).values
+        scaling = ctx.scaling or keys.shape[-1] ** -0.5
+        if self.selector in ("last", "softmax_before_last"):
+            return select_by_last_query(ctx.query, keys, scaling, k, softmax=self.selector == "softmax_before_last")
+        recent, positions = self._slide_window(layer, ctx)
+        return select_by_window(recent, positions, keys, scaling, k, self.selector, self.window_reading,
+                                ctx.rope_inv_freq)
+
+    def _slide_window(self, layer: KVLayer, ctx: DecodeContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's queries to the filter layer's window and keep the last ``window``: the queries
+        ``(B, Hq, w, D)`` and their positions ``(B, w)``."""
+        q = ctx.query.shape[2]
+        recent = torch.cat([self._window_queries[ctx.layer_idx], ctx.query], dim=2)[..., -self.window :, :]
+        positions = torch.cat([self._window_positions[ctx.layer_idx], layer.positions[:, 0, -q:]], dim=-1)
+        positions = positions[:, -self.window :]
+        self._window_queries[ctx.layer_idx], self._window_positions[ctx.layer_idx] = recent, positions
+        return recent, positions

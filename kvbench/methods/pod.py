@@ -7,8 +7,6 @@ paper 004; no public code or weights). reference/methods.md A5. This is the trai
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -18,74 +16,14 @@ import torch
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice
-from kvbench.methods.pod_attention import pod_sequence_attention
+from kvbench.methods.pod_attention import gate_combine, pod_sequence_attention, proximal_distant_masks
+from kvbench.methods.pod_map import load_block_map, lowest_per_layer, trimmed_layers
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
 
 GATES = ("paper", "calibrated")
 PREFILLS = ("shared", "full")
-
-
-def proximal_distant_masks(query_pos: torch.Tensor, key_pos: torch.Tensor, n_s: int, n_r: int):
-    """Eq. 3 with the recent window relative to each query (A5.6 item 2): ``(P, D)`` bool ``(q, T)``.
-
-    P_i = {j < n_s} ∪ {i - n_r < j <= i}; D_i = {n_s <= j <= i - n_r} (empty while i < n_s + n_r).
-    """
-    i = query_pos.view(-1, 1)
-    j = key_pos.view(1, -1)
-    causal = j <= i
-    distant = (j >= n_s) & (j <= i - n_r)
-    return causal & ~distant, distant
-
-
-def gate_combine(logits_p, values_p, logits_d, values_d, tau: float = 1.0):
-    """Eq. 4: ``o = g o^P + (1 - g) o^D`` with ``g = Σexp a^P / (Σexp a^P + Σexp a^D)``, via log-sum-exps.
-
-    logits_*: ``(..., q, T_*)`` float, ``-inf`` where a token is not in the set; values_*: ``(..., T_*, D)``.
-    An empty distant set gives ``g = 1``. Where ``g >= tau`` the distant part is skipped (``o = o^P``; A5.3).
-    Returns the output ``(..., q, D)`` and the gate ``(..., q)`` (before skipping).
-    """
-    lse_p = torch.logsumexp(logits_p, dim=-1)
-    lse_d = torch.logsumexp(logits_d, dim=-1)
-    probs_p = torch.exp(logits_p - lse_p.unsqueeze(-1))
-    safe_d = torch.where(torch.isfinite(lse_d), lse_d, torch.zeros_like(lse_d))
-    probs_d = torch.exp(logits_d - safe_d.unsqueeze(-1))  # all zeros for an empty distant set
-    out_p = probs_p.to(values_p.dtype) @ values_p
-    out_d = probs_d.to(values_d.dtype) @ values_d
-    gate = torch.exp(lse_p - torch.logaddexp(lse_p, lse_d))  # sigmoid(lse_p - lse_d); 1 when lse_d = -inf
-    g = torch.where(gate >= tau, torch.ones_like(gate), gate).unsqueeze(-1).to(out_p.dtype)
-    return g * out_p + (1 - g) * out_d, gate
-
-
-def load_block_map(path: str | Path) -> dict:
-    """Read a block map written by ``kvbench.methods.pod_grouping`` and normalise ``blocks`` to per KV head.
-
-    ``granularity: kv_head``: ``blocks[h]`` is the list of blocks of KV head h; ``granularity: layer``: ``blocks``
-    is one list of blocks shared by every KV head.
-    """
-    try:
-        raw = Path(path).read_bytes()
-        data = json.loads(raw)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"method 'pod': block_map={str(path)!r} cannot be read ({exc})") from None
-    data["sha256"] = hashlib.sha256(raw).hexdigest()
-    blocks = data.get("blocks")
-    if not isinstance(blocks, list) or not blocks:
-        raise ConfigError(f"method 'pod': block_map={str(path)!r} has no 'blocks' list")
-    if data.get("granularity", "kv_head") == "layer" or isinstance(blocks[0][0], int):
-        data["per_head"] = None
-    else:
-        data["per_head"] = blocks
-    return data
-
-
-def lowest_layers(blocks: list[list[int]], num_layers: int) -> list[int]:
-    """For one head: the lowest layer of each layer's block. Blocks must be consecutive and cover 0..L-1."""
-    flat = [layer for block in blocks for layer in block]
-    if flat != list(range(num_layers)):
-        raise ConfigError(f"method 'pod': blocks {blocks} are not consecutive blocks covering {num_layers} layers")
-    return [min(block) for block in blocks for _ in block]
 
 
 @dataclass
@@ -113,7 +51,7 @@ class POD(Method):
     map as ``gate_offsets`` for the map's ``n_s``/``n_r``), so ``g = sigmoid(lse a^P - lse a^D_src - b)``.
 
     ``tau``: gate threshold; in non-lowest layers, where ``g >= tau`` the distant part is skipped (1.0: never).
-    ``block_map``: a JSON file from ``python -m kvbench.methods.pod_grouping``, or null for no sharing.
+    ``block_map``: a JSON file from ``python -m kvbench.analysis.pod_grouping``, or null for no sharing.
     Batch size 1 (token positions are entry indices; POD never evicts). The budget is not used: the proximal window
     is ``n_s + n_r``. Without post-training the shared logits come from another layer's Q/K (A5.6 item 3), so expect
     degradation at low ``delta``.
@@ -172,7 +110,7 @@ class POD(Method):
         cal = (self._map or {}).get("gate_offsets")
         if not cal:
             raise ConfigError("method 'pod': gate=calibrated needs a block_map with gate_offsets (write one with "
-                              "`python -m kvbench.methods.pod_grouping --calibrate ...`); valid gates without: paper")
+                              "`python -m kvbench.analysis.pod_grouping --calibrate ...`); valid gates without: paper")
         if (cal["n_s"], cal["n_r"]) != (self.n_s, self.n_r):
             raise ConfigError(f"method 'pod': gate_offsets of {self.block_map!r} were calibrated for n_s={cal['n_s']}, "
                               f"n_r={cal['n_r']}, not n_s={self.n_s}, n_r={self.n_r}")
@@ -180,22 +118,18 @@ class POD(Method):
 
     # ---- block structure -----------------------------------------------------------------------------------------
     def _structure(self, num_layers: int, num_kv_heads: int) -> list[list[int]]:
-        if self._lowest is not None and len(self._lowest) == num_layers:
-            return self._lowest
-        if self._map is None:
-            lowest = [[layer] * num_kv_heads for layer in range(num_layers)]
-        else:
-            if self._map.get("num_layers", num_layers) != num_layers:
-                raise ConfigError(f"method 'pod': block_map is for {self._map['num_layers']} layers, the model has "
-                                  f"{num_layers}")
-            blocks = self._map["per_head"] or [self._map["blocks"]] * num_kv_heads
-            if len(blocks) != num_kv_heads:
-                raise ConfigError(f"method 'pod': block_map has {len(blocks)} KV heads, the model has {num_kv_heads}")
-            per_head = [lowest_layers(b, num_layers) for b in blocks]
-            lowest = [[per_head[h][layer] for h in range(num_kv_heads)] for layer in range(num_layers)]
-        self._lowest = lowest
-        self._sources = {src for layer, row in enumerate(lowest) for src in row if src != layer}
-        return lowest
+        if self._lowest is None or len(self._lowest) != num_layers:
+            self._lowest = lowest_per_layer(self._map, num_layers, num_kv_heads)
+            self._sources = {src for layer, row in enumerate(self._lowest) for src in row if src != layer}
+        return self._lowest
+
+    def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
+        """POD's memory is set by its window, not the budget: without a block map (or with a per-head map in which no
+        layer is non-lowest for every KV head) it keeps every key and value by definition ("none"); with a map that
+        has such a layer, a prompt longer than ``n_s + n_r - 1`` tokens must leave that layer with fewer keys."""
+        if self._map is None or prompt_len <= self.n_s + self.n_r - 1:
+            return "none"
+        return "prefill" if trimmed_layers(self._map) else "none"
 
     def trims_keys(self, layer_idx: int, num_layers: int, num_kv_heads: int) -> bool:
         """Whether ``layer_idx`` is non-lowest for every KV head (it then drops its distant keys)."""

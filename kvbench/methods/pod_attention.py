@@ -12,6 +12,8 @@ softmax. For the lowest layer of a block (``src == l``) the mixed row is the pla
 An optional per-(KV head) ``offset`` is added to the shared logits: the calibrated gate of A5.7 (b),
 ``g = sigmoid(lse a^P - lse a^D_src - b)``.
 
+The decode step uses the same eq. 3 masks and eq. 4's gate in log-sum-exp form (``gate_combine``).
+
 Queries are processed in chunks of ``chunk`` rows, so memory is ``chunk x n`` logits per head, never ``n x n`` for
 long prompts (training at short lengths uses one chunk and autograd keeps what it needs).
 """
@@ -19,6 +21,37 @@ long prompts (training at short lengths uses one chunk and autograd keeps what i
 from __future__ import annotations
 
 import torch
+
+
+def proximal_distant_masks(query_pos: torch.Tensor, key_pos: torch.Tensor, n_s: int, n_r: int):
+    """Eq. 3 with the recent window relative to each query (A5.6 item 2): ``(P, D)`` bool ``(q, T)``.
+
+    P_i = {j < n_s} ∪ {i - n_r < j <= i}; D_i = {n_s <= j <= i - n_r} (empty while i < n_s + n_r).
+    """
+    i = query_pos.view(-1, 1)
+    j = key_pos.view(1, -1)
+    causal = j <= i
+    distant = (j >= n_s) & (j <= i - n_r)
+    return causal & ~distant, distant
+
+
+def gate_combine(logits_p, values_p, logits_d, values_d, tau: float = 1.0):
+    """Eq. 4: ``o = g o^P + (1 - g) o^D`` with ``g = Σexp a^P / (Σexp a^P + Σexp a^D)``, via log-sum-exps.
+
+    logits_*: ``(..., q, T_*)`` float, ``-inf`` where a token is not in the set; values_*: ``(..., T_*, D)``.
+    An empty distant set gives ``g = 1``. Where ``g >= tau`` the distant part is skipped (``o = o^P``; A5.3).
+    Returns the output ``(..., q, D)`` and the gate ``(..., q)`` (before skipping).
+    """
+    lse_p = torch.logsumexp(logits_p, dim=-1)
+    lse_d = torch.logsumexp(logits_d, dim=-1)
+    probs_p = torch.exp(logits_p - lse_p.unsqueeze(-1))
+    safe_d = torch.where(torch.isfinite(lse_d), lse_d, torch.zeros_like(lse_d))
+    probs_d = torch.exp(logits_d - safe_d.unsqueeze(-1))  # all zeros for an empty distant set
+    out_p = probs_p.to(values_p.dtype) @ values_p
+    out_d = probs_d.to(values_d.dtype) @ values_d
+    gate = torch.exp(lse_p - torch.logaddexp(lse_p, lse_d))  # sigmoid(lse_p - lse_d); 1 when lse_d = -inf
+    g = torch.where(gate >= tau, torch.ones_like(gate), gate).unsqueeze(-1).to(out_p.dtype)
+    return g * out_p + (1 - g) * out_d, gate
 
 
 def mixed_logits(
@@ -30,13 +63,9 @@ def mixed_logits(
     own, shared: ``(B, Hkv, g, q, T)``; ``shared`` None means the lowest layer (plain causal row). ``offset``:
     ``(Hkv,)`` or None. query_pos ``(q,)``, key_pos ``(T,)``.
     """
-    i = query_pos.view(-1, 1)
-    j = key_pos.view(1, -1)
-    causal = j <= i
     if shared is None:
-        return own.masked_fill(~causal, float("-inf"))
-    distant = (j >= n_s) & (j <= i - n_r)
-    proximal = causal & ~distant
+        return own.masked_fill(~(key_pos.view(1, -1) <= query_pos.view(-1, 1)), float("-inf"))
+    proximal, distant = proximal_distant_masks(query_pos, key_pos, n_s, n_r)
     if offset is not None:
         shared = shared + offset.view(1, -1, 1, 1, 1).to(shared.dtype)
     out = torch.where(distant, shared, own)

@@ -95,6 +95,7 @@ class PyramidInfer(Method):
     """
 
     name: ClassVar[str] = "pyramidinfer"
+    compression: ClassVar[str] = "prefill"
     supports_batching: ClassVar[bool] = False
     needs_decode_probs: ClassVar[bool] = True
     recent_ratio: float = 0.2
@@ -130,6 +131,8 @@ class PyramidInfer(Method):
         return 1 + int(self.recent_ratio * budget)
 
     def min_budget_tokens(self) -> int:
+        if self.allocation == "paper":
+            return 1  # the code's sizes: the budget is unused
         c = 1
         while c - self.window(c) < self.sink_size + 1:
             c += 1

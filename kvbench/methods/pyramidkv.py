@@ -11,34 +11,49 @@ from typing import ClassVar
 
 import torch
 
+from kvbench.errors import ConfigError
 from kvbench.methods.base import PrefillContext, check_choice, check_positive
 from kvbench.methods.snapkv import SnapKV
 
-SCHEDULES = ("exact", "kvfactory")
+#: ``exact``: kvbench's own reading (layers average exactly the budget); the others are KVCache-Factory's
+#: ``PyramidKVCluster`` arithmetic, named by the period of the code: the step divisor is L from fcaa093/57e1c26
+#: (2024-06-25) and L - 1 from 5a1f543 (2024-09-30) on (the code at c97f9d7, 2026-07, still divides by L - 1)
+SCHEDULES = ("exact", "kvfactory_2406", "kvfactory_2409")
+STEP_DIVISOR = {"kvfactory_2406": 0, "kvfactory_2409": 1}  # L minus this
 
 
 def pyramid_capacity(capacity: int, n: int, window: int, beta: float, num_layers: int, schedule: str) -> list[int]:
     """Past-token budgets per layer (window excluded), from layer 0 (largest) to the last (smallest).
 
-    min = (C - w) / beta, max = 2 (C - w) - min; if max >= n - w then max = n - w, min = 2 (C - w) - max.
-    ``exact``: evenly spaced from max to min, rounded so the layers sum to exactly L (C - w) (resident bytes equal
-    the budget's bytes). ``kvfactory``: the Jun-2024 code, ``max - l * ((max - min) // L)`` (integer steps; the
-    layers then sum to more than L (C - w)).
+    n < C: no compression (n - w each); n < 2 (C - w): uniform C - w (KVCache-Factory's cases). Otherwise, with
+    b = C - w:
+
+    * ``kvfactory_2406`` / ``kvfactory_2409``: KVCache-Factory's integer arithmetic, ``min = b // beta``,
+      ``max = 2 b - min``; if ``max >= n - w``: ``max = n - w``, ``min = 2 b - max``; layer l keeps
+      ``max - l * ((max - min) // D)`` with D = L (2024-06) or L - 1 (since 2024-09-30). The layers then sum to more
+      than L b (the code's resident bytes exceed the budget's);
+    * ``exact``: kvbench's own reading, not any version of the code: the same max and min in real numbers
+      (``min = b / beta``), evenly spaced from max to min and rounded (largest remainders) so the layers sum to
+      exactly L b (resident bytes equal the budget's).
     """
     base = capacity - window
     if n < capacity:
         return [n - window] * num_layers
     if n < 2 * base:  # KVCache-Factory: uniform when the pyramid would not fit
         return [base] * num_layers
+    if schedule in STEP_DIVISOR:
+        low = int(base // beta)
+        high = 2 * base - low
+        if high >= n - window:
+            high = n - window
+            low = 2 * base - high
+        steps = (high - low) // max(1, num_layers - STEP_DIVISOR[schedule])  # (one layer: the code divides by 0)
+        return [high - layer * steps for layer in range(num_layers)]
     low = base / beta
     high = 2 * base - low
     if high >= n - window:
         high = n - window
         low = 2 * base - high
-    if schedule == "kvfactory":
-        low, high = int(low), int(high)
-        steps = (high - low) // num_layers
-        return [high - layer * steps for layer in range(num_layers)]
     if num_layers == 1:
         return [base]
     ideal = torch.linspace(high, low, num_layers, dtype=torch.float64)
@@ -54,11 +69,13 @@ class PyramidKV(SnapKV):
     """Prefill-only; layer l keeps ``pyramid_capacity(...)[l]`` tokens selected as SnapKV does, plus the window.
 
     Defaults are KVCache-Factory's LongBench settings: window 8, kernel 7, max-pool, beta 20. ``schedule="exact"``
-    (default) makes the per-layer budgets average exactly the requested KV size; ``schedule="kvfactory"`` is the
-    Jun-2024 integer-step code the PyramidKV/DynamicKV tables were produced with.
+    (default) is kvbench's reading: per-layer budgets that average exactly the requested KV size.
+    ``schedule="kvfactory_2406"`` / ``"kvfactory_2409"`` are KVCache-Factory's integer schedule as its code computed it
+    from 2024-06-25 (step divisor L) and from 2024-09-30 on (L - 1); see ``pyramid_capacity``.
     """
 
     name: ClassVar[str] = "pyramidkv"
+    compression: ClassVar[str] = "prefill"
     window: int = 8
     kernel: int = 7
     beta: float = 20.0
@@ -67,6 +84,10 @@ class PyramidKV(SnapKV):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive(self.name, beta=self.beta)
+        if self.schedule == "kvfactory":
+            raise ConfigError("method 'pyramidkv': schedule='kvfactory' was ambiguous and is gone: the code divides "
+                              "the steps by L until 2024-09-30 (schedule=kvfactory_2406) and by L - 1 since "
+                              "(schedule=kvfactory_2409); docs/baseline_readings.md says which table used which")
         check_choice(self.name, "schedule", self.schedule, SCHEDULES)
 
     def layer_capacity(self, ctx: PrefillContext) -> torch.Tensor:

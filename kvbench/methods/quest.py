@@ -57,6 +57,7 @@ class Quest(Method):
     """
 
     name: ClassVar[str] = "quest"
+    compression: ClassVar[str] = "attention"
     supports_batching: ClassVar[bool] = False
     page_size: int = 16
     dense_layers: int = 2
@@ -82,6 +83,13 @@ class Quest(Method):
 
     def describe(self) -> dict:
         return {k: v for k, v in super().describe().items() if not k.startswith("_")}
+
+    def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
+        """Dense when every page fits the page budget, and in the first ``dense_layers`` layers."""
+        kind = super().expected_compression(budget, prompt_len, num_layers)
+        pages = -(-(prompt_len + 1) // self.page_size)  # the first decode step's entries
+        fits = pages <= budget.tokens_for(prompt_len) // self.page_size
+        return "none" if num_layers <= self.dense_layers or fits else kind
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         self._pages.pop(ctx.layer_idx, None)  # a new prompt: page metadata is rebuilt lazily at the first step

@@ -73,6 +73,7 @@ class RoCo(Method):
     """
 
     name: ClassVar[str] = "roco"
+    compression: ClassVar[str] = "prefill"
     needs_decode_probs: ClassVar[bool] = True
     supports_batching: ClassVar[bool] = False
     recent_ratio: float = 0.3

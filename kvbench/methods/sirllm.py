@@ -17,7 +17,7 @@ from kvbench.methods.base import Method, check_choice, keep_top, real_rank
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
-    from kvbench.engine.session import TokenLogits
+    from kvbench.engine.logits import TokenLogits
 
 ENTROPIES = ("paper", "official_code")
 
@@ -50,6 +50,7 @@ class SirLLM(Method):
     """
 
     name: ClassVar[str] = "sirllm"
+    compression: ClassVar[str] = "prefill"
     needs_logits: ClassVar[bool] = True
     start_size: int = 4
     recent_ratio: float = 0.5
@@ -111,16 +112,18 @@ class SirLLM(Method):
 
     def observe_logits(self, layers: list[KVLayer], input_ids: torch.Tensor, logits: TokenLogits) -> None:
         q = input_ids.shape[1]
-        first = layers[0]
-        valid = first.valid[:, 0, -q:] if first.valid is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        whole = next((layer for layer in layers if layer.num_entries >= q), None)  # holds every token of the forward
+        valid = (whole.valid[:, 0, -q:] if whole is not None and whole.valid is not None
+                 else torch.ones_like(input_ids, dtype=torch.bool))
         ent = self.token_entropy(input_ids, logits, valid)
         for layer in layers:
             b, h, t = layer.positions.shape
+            k = min(q, t)  # a sliding-window layer holds only the last tokens of a long forward
             state = layer.state.get("sirllm_entropy")
             if state is None or state.shape[-1] != t:
                 state = torch.zeros(b, h, t, device=ent.device)
             state = state.clone()
-            state[..., t - q :] = ent.unsqueeze(1)
+            state[..., t - k :] = ent[:, q - k :].unsqueeze(1)
             layer.state["sirllm_entropy"] = state
             keep_top(layer, self.keep_scores(layer, layer.capacity), layer.capacity)
             layer.state["sirllm_entropy"] = layer.state["sirllm_entropy"] * self.decay_ratio

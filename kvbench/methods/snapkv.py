@@ -18,19 +18,37 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
     from kvbench.engine.cache import KVLayer
 
 POOLING = ("max", "avg")
-GROUP_AGG = ("mean", "max")
+#: ``mean``/``max``: pool each query head's scores, then aggregate the KV group (kvbench's reading);
+#: ``*_before_pool``: aggregate the group's window sums, then pool (KVCache-Factory's ``kv_head`` mode since 2026-07,
+#: ``gqa_score_agg``)
+GROUP_AGG = ("mean", "max", "mean_before_pool", "max_before_pool", "sum_before_pool")
+#: ``kv_head``: one kept set per KV head (DESIGN principle 3); ``query_head``: K/V repeated to the query heads before
+#: selection, one kept set per query head (KVCache-Factory's default and, in 2024, only mode; caches g x larger)
+GRANULARITY = ("kv_head", "query_head")
+
+
+def to_query_heads(layer: KVLayer, ctx: PrefillContext, granularity: str) -> None:
+    """``granularity="query_head"``: repeat the layer's KV heads to the query heads (``KVLayer.repeat_heads``) before
+    anything is scored or selected, as KVCache-Factory's ``repeat_kv`` before ``update_kv``; the cache stays so."""
+    if granularity == "query_head" and ctx.num_heads > layer.keys.shape[1]:
+        layer.repeat_heads(ctx.num_heads // layer.keys.shape[1])
 
 
 def snap_scores(
     layer: KVLayer, ctx: PrefillContext, window: int, kernel: int, pooling: str, group_agg: str
 ) -> torch.Tensor:
-    """SnapKV scores ``(B, Hkv, n)``: window attention summed over the window's queries, pooled per query head,
-    aggregated over each KV group; the window itself gets +inf (always kept), padding -inf."""
+    """SnapKV scores ``(B, H, n)`` with H the layer's heads (KV heads, or query heads after ``to_query_heads``):
+    window attention summed over the window's queries, pooled and aggregated over each KV group in the order
+    ``group_agg`` names; the window itself gets +inf (always kept), padding -inf."""
     probs = window_attention(ctx.queries, layer.keys, window, ctx.scaling, ctx.key_valid)  # (B, Hq, w, n)
     n = probs.shape[-1]
+    heads = layer.keys.shape[1]
     votes = probs[..., : n - window].sum(-2)  # (B, Hq, n - w)
-    votes = pool1d(votes, kernel, pooling)
-    votes = aggregate_group(votes, ctx.num_kv_heads, group_agg)  # (B, Hkv, n - w)
+    if group_agg.endswith("_before_pool"):
+        votes = aggregate_group(votes, heads, group_agg.removesuffix("_before_pool"))
+        votes = pool1d(votes, kernel, pooling)
+    else:
+        votes = aggregate_group(pool1d(votes, kernel, pooling), heads, group_agg)  # (B, H, n - w)
     window_scores = torch.full((*votes.shape[:2], window), float("inf"), device=votes.device)
     scores = torch.cat([votes, window_scores], dim=-1)
     if ctx.key_valid is not None:
@@ -40,26 +58,35 @@ def snap_scores(
 
 @dataclass
 class SnapKV(Method):
-    """Prefill-only selection: per KV head, keep the ``budget - window`` prompt tokens with the highest pooled
+    """Prefill-only selection: per head, keep the ``budget - window`` prompt tokens with the highest pooled
     attention from the last ``window`` queries, plus those ``window`` tokens.
 
     Defaults follow the paper's Listing 1: window 32, max-pool with kernel 5. ``pooling="avg"`` is the official
     code's default (``init_snapkv``); KVCache-Factory's LongBench runs use kernel 7, max-pool.
-    GQA: scores are computed per query head (causal inside the window), pooled, then averaged over the query heads
-    of each KV group (``group_agg``), so the cache stays at KV-head granularity (DESIGN principle 3).
+    Selection is KVCache-Factory's: ``torch.topk`` of ``budget - window`` over the past tokens alone, then the window
+    (``keep_top(..., window=)``), so max-pooling's ties break as the reference's; kept tokens are stored in position
+    order. In a left-padded batch each row is selected on its own tokens, as alone.
+    GQA: ``granularity="kv_head"`` (default; DESIGN principle 3): scores are computed per query head (causal inside
+    the window), pooled, then averaged over the query heads of each KV group (``group_agg="mean"``; ``"max"``), or
+    averaged before pooling (``"mean_before_pool"``, KVCache-Factory's ``kv_head`` mode). ``"query_head"``: K/V are
+    repeated to the query heads first and each query head keeps its own tokens (KVCache-Factory's default mode: the
+    cache and its resident bytes are ``Hq / Hkv`` times larger).
     No compression when the prompt fits the budget; generated tokens are appended.
     """
 
     name: ClassVar[str] = "snapkv"
+    compression: ClassVar[str] = "prefill"
     window: int = 32
     kernel: int = 5
     pooling: str = "max"
     group_agg: str = "mean"
+    granularity: str = "kv_head"
 
     def __post_init__(self) -> None:
         check_positive(self.name, window=self.window, kernel=self.kernel)
         check_choice(self.name, "pooling", self.pooling, POOLING)
         check_choice(self.name, "group_agg", self.group_agg, GROUP_AGG)
+        check_choice(self.name, "granularity", self.granularity, GRANULARITY)
 
     def min_budget_tokens(self) -> int:
         return self.window + 1
@@ -72,7 +99,8 @@ class SnapKV(Method):
         return ctx.capacity
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        to_query_heads(layer, ctx, self.granularity)
         if ctx.n <= self.window or bool((ctx.prompt_lens <= ctx.capacity).all()):
             return
         scores = snap_scores(layer, ctx, self.window, self.kernel, self.pooling, self.group_agg)
-        keep_top(layer, scores, self.layer_capacity(ctx))
+        keep_top(layer, scores, self.layer_capacity(ctx), window=self.window)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvbench.errors import ConfigError
 from kvbench.methods.base import (
     DecodeContext,
     Method,
@@ -21,6 +22,7 @@ from kvbench.methods.base import (
     real_rank,
     unpadded_overflow,
 )
+from kvbench.methods.snapkv import GRANULARITY, to_query_heads
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -37,26 +39,39 @@ class StreamingLLM(Method):
         again at every decode step so the cache stays at ``budget`` (``evict_for_space``). The original code also
         re-assigns positions inside the cache (pos-shift): run with ``position_mode=compact`` for that; the
         default keeps original positions.
-      * ``kvfactory``: KVCache-Factory's prefill-only reading used by DynamicKV Table 1 / D2O Table 21: keep the
-        first ``budget - window`` tokens and the last ``window`` (32); generated tokens are appended, no eviction.
+      * ``kvfactory``: KVCache-Factory's prefill-only ``StreamingLLMKVCluster`` (DynamicKV Table 1 / D2O Table 21):
+        keep the first ``budget - window`` tokens and the last ``window``; generated tokens are appended, no
+        eviction. The window is a setting of its LongBench script: 32 until 2024-07-10 (``window=32``, the default),
+        ``budget - 4`` since (``window=null``: ``budget - sink_size`` recent tokens after ``sink_size`` sinks);
+        docs/baseline_readings.md says which table ran which.
 
-    Shapes: scores are ``(batch, kv_heads, entries)``; no attention statistics are needed.
+    ``granularity="query_head"`` repeats K/V to the query heads first (KVCache-Factory's default mode): the kept
+    positions are the same, the cache and its resident bytes ``Hq / Hkv`` times larger.
+    Shapes: scores are ``(batch, heads, entries)``; no attention statistics are needed.
     """
 
     name: ClassVar[str] = "streamingllm"
+    compression: ClassVar[str] = "prefill"
     sink_size: int = 4
-    window: int = 32
+    window: int | None = 32
     variant: str = "paper"
+    granularity: str = "kv_head"
 
     def __post_init__(self) -> None:
-        check_positive(self.name, sink_size=self.sink_size, window=self.window)
+        check_positive(self.name, sink_size=self.sink_size)
+        if self.window is not None:
+            check_positive(self.name, window=self.window)
+        elif self.variant != "kvfactory":
+            raise ConfigError("method 'streamingllm': window=null (budget - sink_size recent tokens) is a setting of "
+                              "variant=kvfactory")
         check_choice(self.name, "variant", self.variant, VARIANTS)
+        check_choice(self.name, "granularity", self.granularity, GRANULARITY)
 
     def min_budget_tokens(self) -> int:
-        return (self.sink_size if self.variant == "paper" else self.window) + 1
+        return (self.sink_size if self.variant == "paper" or self.window is None else self.window) + 1
 
     def min_budget_reason(self) -> str:
-        if self.variant == "paper":
+        if self.variant == "paper" or self.window is None:
             return f"sink_size={self.sink_size} sinks + at least one recent token"
         return f"window={self.window} recent tokens + at least one leading token"
 
@@ -65,13 +80,19 @@ class StreamingLLM(Method):
         rank = real_rank(layer)
         count = layer.valid_counts().unsqueeze(-1)
         cap = capacity.view(-1, 1, 1)
-        head = self.sink_size if self.variant == "paper" else cap - self.window
+        head = self.sink_size if self.variant == "paper" or self.window is None else cap - self.window
         recent = cap - head
         keep = ((rank >= 0) & (rank < head)) | (rank >= count - recent)
         return torch.where(keep, float("inf"), float("-inf"))
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        to_query_heads(layer, ctx, self.granularity)
         keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)
+
+    def static_policy(self, capacity: int):
+        from kvbench.engine.static import StaticPolicy
+
+        return StaticPolicy("oldest", sinks=self.sink_size) if self.variant == "paper" else StaticPolicy()
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper":

@@ -1,0 +1,172 @@
+"""Cache operations shared by the methods: keep the top-scored entries of a layer (real eviction), count what must
+go on an unpadded cache from host integers, rank entries among the valid ones, and the prompt attention's column sums
+(computed with the attention output in one pass where the prompt attention is plain causal attention).
+
+The method contract (``methods.base``) re-exports these, so a method imports everything it needs from one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvbench.methods.contexts import PrefillContext
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+
+
+def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor | Sequence[int],
+             window: int | Sequence[int] = 0) -> None:
+    """Keep, per (row, head), the ``keep[row]`` entries with the highest ``scores``; evict the rest.
+
+    scores: ``(B, H, entries)``; entries that must stay get ``+inf``, entries that must go (padding) ``-inf``.
+    keep: ``(B,)`` number of entries per row (a tensor or Python ints). Rows keeping fewer than the maximum get empty
+    (invalid) slots. Nothing happens when every row already fits. On an unpadded cache the checks run on Python ints
+    (``KVLayer.capacity_list``), so a decode step's single eviction never makes the host wait for the GPU.
+
+    window: an int or one per row. The row's ``window`` newest valid entries are kept whatever their scores and the
+    others are the top ``keep - window`` of the older entries alone, chosen by ``torch.topk`` over exactly those
+    entries: KVCache-Factory's selection (``topk(C - w)`` over the past, then the window appended), so that ties
+    (max-pooling makes many) break as the reference's ``torch.topk`` breaks them. Kept entries are stored in position
+    order, not in the reference's score order (attention does not depend on the order).
+
+    A row's choice never depends on the other rows of the batch: on a padded cache (or rows keeping different numbers)
+    each row is selected on its own valid entries, exactly as it would be alone (same ``topk`` or ``argmin`` over the
+    same values), so left padding never changes which tied entry stays.
+    """
+    b = scores.shape[0]
+    windows = [int(window)] * b if isinstance(window, int) else [int(w) for w in window]
+    if layer.valid is None:  # every (row, head) holds num_entries
+        overflow = unpadded_overflow(layer, keep)
+        if overflow == 0:
+            return
+        if overflow == 1 and not any(windows):  # one eviction per decode step
+            layer.evict_one(scores.argmin(-1))
+            return
+        caps = host_ints(layer, keep)
+        if len(set(caps)) == 1 and len(set(windows)) == 1:  # every row alike: one topk for the batch
+            index, chosen = _top(scores, caps[0], windows[0])
+            layer.gather(index, None if bool(chosen.all()) else chosen)
+            return
+    else:
+        caps = host_ints(layer, keep)
+        if bool((layer.valid_counts() <= torch.as_tensor(caps, device=scores.device).view(-1, 1)).all()):
+            return
+    _keep_top_per_row(layer, scores, caps, windows)
+
+
+def _top(scores: torch.Tensor, k: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` of ``scores`` ``(..., m)`` with the last ``window`` entries always kept: entry indices
+    ``(..., k)`` and whether each is a real choice (not a ``-inf`` entry taken to fill ``k``)."""
+    m = scores.shape[-1]
+    window = min(window, k, m)
+    past = scores[..., : m - window]
+    top = torch.topk(past, min(k - window, m - window), dim=-1, sorted=True).indices
+    chosen = torch.gather(past, -1, top) > float("-inf")
+    if window:
+        newest = torch.arange(m - window, m, device=scores.device).expand(*scores.shape[:-1], window)
+        top = torch.cat([top, newest], dim=-1)
+        chosen = torch.cat([chosen, torch.ones_like(newest, dtype=torch.bool)], dim=-1)
+    return top, chosen
+
+
+def _keep_top_per_row(layer: KVLayer, scores: torch.Tensor, caps: list[int], windows: list[int]) -> None:
+    """``keep_top`` row by row: each row's valid entries (in stored order) selected as if the row were alone."""
+    b, h, n = scores.shape
+    valid = layer.valid if layer.valid is not None else torch.ones(b, h, n, dtype=torch.bool, device=scores.device)
+    counts = valid.sum(-1).tolist()
+    kept = torch.zeros(b, h, n, dtype=torch.bool, device=scores.device)
+    for row in range(b):
+        by_count: dict[int, list[int]] = {}
+        for head, count in enumerate(counts[row]):
+            by_count.setdefault(int(count), []).append(head)
+        for m, heads in by_count.items():
+            hidx = torch.tensor(heads, device=scores.device)
+            # the valid entries first, in stored (= position) order: the row's cache as it would be alone
+            entries = torch.sort((~valid[row, hidx]).to(torch.uint8), dim=-1, stable=True).indices[:, :m]
+            own = torch.gather(scores[row, hidx], -1, entries)  # (heads, m)
+            k = caps[row]
+            if m <= k:
+                choice = torch.ones_like(own, dtype=torch.bool)
+            elif m - k == 1 and not windows[row]:  # alone this is keep_top's single eviction (argmin)
+                choice = torch.ones_like(own, dtype=torch.bool)
+                choice.scatter_(-1, own.argmin(-1, keepdim=True), False)
+            else:
+                top, chosen = _top(own, k, windows[row])
+                choice = torch.zeros_like(own, dtype=torch.bool).scatter_(-1, top, chosen)
+            kept[row, hidx] = torch.zeros(len(heads), n, dtype=torch.bool, device=scores.device).scatter_(
+                -1, entries, choice)
+    k = int(kept.sum(-1).max())
+    # kept entries first (stable: in stored order), then other entries as empty slots of rows keeping fewer
+    index = torch.sort(kept.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :k]
+    keep_valid = torch.gather(kept, -1, index)
+    layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
+
+
+def unpadded_overflow(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> int | None:
+    """On an unpadded cache, the entries every row must lose to fit ``keep`` when that number is the same for all rows
+    (0: every row fits; 1: a decode step's single eviction), from host ints only; None otherwise (padded cache, or
+    rows that differ): the caller's general path."""
+    if layer.valid is not None:
+        return None
+    n = layer.num_entries
+    overflow = {max(0, n - c) for c in host_ints(layer, keep)}
+    return overflow.pop() if len(overflow) == 1 else None
+
+
+def host_ints(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> list[int]:
+    """``keep`` as Python ints: the layer's cached capacity when ``keep`` is it, else one device read."""
+    if isinstance(keep, torch.Tensor):
+        return layer.capacity_list() if keep is layer.capacity else [int(c) for c in keep.tolist()]
+    return [int(c) for c in keep]
+
+
+def attend_with_column_sums(layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+    """``prefill_attend`` of methods that score tokens by H2O's column sums: one chunked attention pass gives the
+    layer's output and the sums (kept in ``ctx.column_sums``) instead of the backend's attention plus a second pass
+    (issue #7's prefill overhead). Only for unpadded batches of plain causal attention; else None (the backend)."""
+    from kvbench.engine.scores import attention_and_column_sums
+
+    if ctx.key_valid is not None or not ctx.plain_causal or layer.keys.shape[1] != ctx.num_kv_heads:
+        return None
+    out, ctx.column_sums = attention_and_column_sums(ctx.queries, layer.keys, layer.values, ctx.scaling)
+    return out
+
+
+def prompt_column_sums(layer: KVLayer, ctx: PrefillContext, chunk: int) -> torch.Tensor:
+    """``(B, Hq, n)`` column sums of the prompt attention: those ``attend_with_column_sums`` kept, else computed."""
+    from kvbench.engine.scores import column_sums
+
+    if ctx.column_sums is not None:
+        return ctx.column_sums
+    return column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=chunk)
+
+
+def expand_to_query_heads(layer: KVLayer, group: int) -> None:
+    """The official codes' ``repeat_kv`` into the cache (DynamicKV, D2O): ``(B, Hkv, n, D)`` -> ``(B, Hq, n, D)``, query
+    head h on KV head h // group, with positions, validity and per-entry state. Later appends repeat the new KV heads
+    the same way (``KVLayer.update``). Resident bytes grow by the group size: the code's layout, really held."""
+    for name in ("keys", "values", "positions", "valid"):
+        if getattr(layer, name) is not None:
+            setattr(layer, name, getattr(layer, name).repeat_interleave(group, dim=1))
+    layer.state = {k: v.repeat_interleave(group, dim=1) for k, v in layer.state.items()}
+
+
+def real_rank(layer: KVLayer) -> torch.Tensor:
+    """Rank of each entry among the valid entries of its (row, head) in position order: ``(B, H, entries)``.
+
+    Entries are always stored in position order (appends are newer; gathers sort), so without invalid entries the
+    rank is the index.
+    """
+    if layer.valid is None:
+        return torch.arange(layer.num_entries, device=layer.positions.device).expand(*layer.positions.shape)
+    valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+    order = torch.argsort(layer.positions, dim=-1)
+    sorted_valid = torch.gather(valid, -1, order).long()
+    ranks_sorted = sorted_valid.cumsum(-1) - 1
+    rank = torch.empty_like(ranks_sorted)
+    rank.scatter_(-1, order, ranks_sorted)
+    return rank.masked_fill(~valid, -1)

@@ -1,0 +1,62 @@
+"""What a method sees at each point the engine calls it: one layer's prefill (``PrefillContext``) and one decode step
+(``DecodeContext``). Plain data; part of the method contract (``methods.base``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillContext:
+    """What a method sees for one layer at the end of prefill.
+
+    queries: ``(B, Hq, n, D)`` post-RoPE queries of the prompt.
+    key_valid: ``(B, n)`` False at left padding, or None.
+    prompt_lens: ``(B,)`` real prompt length per row (n minus padding).
+    capacity: ``(B,)`` tokens per layer the budget allows for each row (average over layers).
+    """
+
+    layer_idx: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    scaling: float
+    queries: torch.Tensor
+    key_valid: torch.Tensor | None
+    prompt_lens: torch.Tensor
+    capacity: torch.Tensor
+    #: ``(D/2,)`` RoPE inverse frequencies when keys can be re-rotated (``engine.session.rotate_keys``), else None
+    rope_inv_freq: torch.Tensor | None = None
+    #: True when the model's prompt attention is plain causal softmax attention (no sliding window reaching into the
+    #: prompt, no logit soft-capping), so a method may compute it itself (``attend_with_column_sums``)
+    plain_causal: bool = False
+    #: ``(B, Hq, n)`` column sums of the prompt attention, when ``prefill_attend`` computed them with the output
+    column_sums: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return self.queries.shape[-2]
+
+
+@dataclass
+class DecodeContext:
+    """What a method sees for one layer after a decode step.
+
+    query: ``(B, Hq, q, D)``; probs: ``(B, Hkv, g, q, entries)`` attention probabilities over the layer's entries
+    (only when the method sets ``needs_decode_probs``; else None); capacity: as in PrefillContext; scaling: the
+    model's softmax scale (None: ``D ** -0.5``).
+    """
+
+    layer_idx: int
+    num_layers: int
+    num_kv_heads: int
+    query: torch.Tensor
+    probs: torch.Tensor | None
+    capacity: torch.Tensor
+    scaling: float | None = None
+    rope_inv_freq: torch.Tensor | None = None
+    #: entries the step attended per (row, head), set by a method's ``attend`` when they are not the layer's own
+    #: entries (OmniKV's context bank); None: the engine counts them
+    attended: int | None = None

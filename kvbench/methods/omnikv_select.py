@@ -1,0 +1,65 @@
+"""OmniKV's token selection at a filter layer (paper 002 §3, code ``antgroup/OmniKV``; reference/methods.md A3.3-A3.4):
+the top-k prompt tokens by the current query's attention (``last``, ``softmax_before_last``) or by a window of recent
+queries (``uniform``, ``exp``), the latter in the official code's reading by default. Pure tensor functions; the method
+(``omnikv.py``) holds the filter layers, the window of queries and the context bank."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.engine.rope import rotate_keys
+
+
+def select_by_last_query(query: torch.Tensor, keys: torch.Tensor, scaling: float, k: int,
+                         softmax: bool) -> torch.Tensor:
+    """Top-``k`` prompt entries ``(B, k)`` by the last query's logits (``last``) or probabilities
+    (``softmax_before_last``), max over query heads; query ``(B, Hq, q, D)``, keys ``(B, Hkv, n, D)``."""
+    logits = _logits(query[..., -1:, :], keys, scaling)[..., 0, :]  # (B, Hkv, g, n)
+    if not softmax:
+        return _top(logits.amax(dim=(1, 2)), k)
+    return _top(torch.softmax(logits, dim=-1).amax(dim=(1, 2)), k)  # probabilities, then max over heads
+
+
+def select_by_window(recent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, scaling: float, k: int,
+                     selector: str, window_reading: str, rope_inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """Top-``k`` prompt entries by the window's queries ``recent`` ``(B, Hq, w, D)`` at ``positions`` ``(B, w)``,
+    weighted uniformly or by 2^(u - (w-1)) (``exp``). ``window_reading="paper"``: softmax over all n prompt tokens,
+    the window's own prompt positions always kept and counted in k; ``"official_code"``: every window query rotated
+    to the current position, the window's p prompt tokens kept outside the softmax and the top-k, which choose
+    max(1, k - p) among the first n - p tokens."""
+    n = keys.shape[2]
+    w = recent.shape[2]
+    weights = torch.ones(w, device=recent.device)
+    if selector == "exp":  # 2^(u - (w-1)); the code's running sum (sum / 2 + new) gives the same weights
+        weights = 2.0 ** (torch.arange(w, device=recent.device) - (w - 1)).float()
+    prompt_rows = int((positions[0] < n).sum())  # window rows that are still prompt queries (batch size 1)
+    if window_reading == "paper":
+        probs = torch.softmax(_logits(recent, keys, scaling), dim=-1).amax(dim=(1, 2))  # (B, w, n)
+        scores = (probs * weights.view(1, -1, 1)).sum(1)  # (B, n)
+        if prompt_rows:  # the window's own prompt positions are always kept and count against k
+            scores[:, n - prompt_rows :] = float("inf")
+        return _top(scores, k)
+    b, hq = recent.shape[:2]
+    delta = (positions[:, -1:] - positions).float().view(b, 1, w).expand(b, hq, w)
+    rotated = rotate_keys(recent.float(), delta, rope_inv_freq.to(recent.device)).to(keys.dtype)
+    consider = n - prompt_rows
+    forced = torch.arange(consider, n, device=keys.device).expand(b, -1)
+    if consider == 0:
+        return forced
+    probs = torch.softmax(_logits(rotated, keys[:, :, :consider], scaling), dim=-1).amax(dim=(1, 2))
+    scores = (probs * weights.view(1, -1, 1)).sum(1)  # (B, n - p)
+    chosen = _top(scores, min(consider, max(1, k - prompt_rows)))
+    return torch.cat([chosen, forced], dim=-1)
+
+
+def _logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``(B, Hkv, g, w, n)`` float logits of queries ``(B, Hq, w, D)`` against keys ``(B, Hkv, n, D)`` (query head h
+    uses KV head ``h // g``, as ``repeat_kv``)."""
+    b, hkv, _, d = keys.shape
+    q = queries.reshape(b, hkv, -1, queries.shape[2], d)
+    return torch.einsum("bhgwd,bhnd->bhgwn", q, keys).float() * scaling
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest ``scores`` ``(B, n)``, in position order."""
+    return torch.topk(scores, k, dim=-1).indices.sort(-1).values

@@ -1,0 +1,371 @@
+"""Mutation check of the seed methods: each listed one-line mutation of a core comparison must make its tests fail.
+
+    python scripts/mutants.py                  # every mutant
+    python scripts/mutants.py --only kvmerger-theta-strict pod-shared-distant-only
+    python scripts/mutants.py --method omnikv  # the mutants of one method
+    python scripts/mutants.py --list           # what would run
+
+For each mutant (file, exact original text, exact mutated text) the script checks that the original occurs exactly
+once in its file, applies the mutation in a private copy of the working tree (the checkout itself is never
+written), runs the fast tests that guard it there (``-m "not slow" -x``), and restores the copy's file in a
+``finally`` (Ctrl-C and errors included). A mutant is *killed* when those tests fail (or run past ``--timeout``),
+*survived* when they pass. Before the mutants, each distinct test selection runs once on the unmutated copy: a red
+baseline would make every mutant look killed.
+
+Exit status: 0 when every mutant was killed; 1 when any survived; 2 when the list is stale (an original text not
+found exactly once) or the baseline fails.
+
+An entry whose original text is no longer found exactly once is reported as stale (exit 2), not skipped: the list
+follows the code (``tests/test_mutants_script.py`` checks it on every run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OMNIKV = ["tests/test_method_omnikv.py", "tests/test_parity_omnikv.py"]
+KVMERGER = ["tests/test_method_kvmerger.py"]
+POD = ["tests/test_method_pod.py"]
+D2O = ["tests/test_method_d2o.py", "tests/test_parity_d2o.py"]
+DYNAMICKV = ["tests/test_method_dynamickv.py", "tests/test_parity_dynamickv.py"]
+PARITY = "tests/test_parity_kvfactory.py"
+SNAPKV = ["tests/test_methods.py", PARITY, "-k", "not parity or snapkv"]
+PYRAMIDKV = ["tests/test_methods.py", PARITY, "-k", "not parity or pyramidkv"]
+H2O = ["tests/test_methods.py", PARITY, "-k", "not parity or h2o"]
+STREAMINGLLM = ["tests/test_methods.py", PARITY, "-k", "not parity or streamingllm"]
+CAM = ["tests/test_method_cam.py", PARITY, "-k", "not parity or cam"]
+BATCH = ["tests/test_batch_equals_single.py", "-k", "snapkv or pyramidkv or h2o"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    method: str
+    file: str
+    original: str
+    mutated: str
+    tests: list[str] = field(default_factory=list)  # pytest arguments: test files, optionally "-k", "expr"
+    what: str = ""
+
+
+MUTANTS = [
+    # ---- OmniKV (kvbench/methods/omnikv.py, omnikv_select.py) ------------------------------------------
+    Mutant("omnikv-softmax-range", "omnikv", "kvbench/methods/omnikv_select.py",
+           "probs = torch.softmax(_logits(rotated, keys[:, :, :consider], scaling), dim=-1).amax(dim=(1, 2))",
+           "probs = torch.softmax(_logits(rotated, keys, scaling), dim=-1)[..., :consider].amax(dim=(1, 2))",
+           OMNIKV, "official window: softmax over the whole prompt instead of the first n - p tokens"),
+    Mutant("omnikv-window-rotation", "omnikv", "kvbench/methods/omnikv_select.py",
+           "delta = (positions[:, -1:] - positions)",
+           "delta = (positions - positions)",
+           OMNIKV, "official window: queries left at their own positions"),
+    Mutant("omnikv-reduced-k", "omnikv", "kvbench/methods/omnikv_select.py",
+           "chosen = _top(scores, min(consider, max(1, k - prompt_rows)))",
+           "chosen = _top(scores, min(consider, max(1, k)))",
+           OMNIKV, "official window: top-k not reduced by the window's prompt rows"),
+    Mutant("omnikv-last-max-heads", "omnikv", "kvbench/methods/omnikv_select.py",
+           "return _top(logits.amax(dim=(1, 2)), k)",
+           "return _top(logits.mean(dim=(1, 2)), k)",
+           OMNIKV, "last: mean over query heads instead of max"),
+    Mutant("omnikv-topk-largest", "omnikv", "kvbench/methods/omnikv_select.py",
+           "return torch.topk(scores, k, dim=-1).indices.sort(-1).values",
+           "return torch.topk(scores, k, dim=-1, largest=False).indices.sort(-1).values",
+           OMNIKV, "selection: the k lowest scores"),
+    Mutant("omnikv-module-scale", "omnikv", "kvbench/methods/omnikv.py",
+           "scaling = ctx.scaling or keys.shape[-1] ** -0.5",
+           "scaling = keys.shape[-1] ** -0.5",
+           OMNIKV, "1/sqrt(d) instead of the module's scale"),
+    Mutant("omnikv-wait-layers", "omnikv", "kvbench/methods/omnikv.py",
+           "return None if layer_idx - source <= self.wait_layers else source",
+           "return None if layer_idx - source < self.wait_layers else source",
+           OMNIKV, "one wait layer fewer (layer roles, Mem%)"),
+    # ---- KVMerger (kvbench/methods/kvmerger.py, kvmerger_ops.py) --------------------------------------
+    Mutant("kvmerger-theta-strict", "kvmerger", "kvbench/methods/kvmerger_ops.py",
+           "bad = np.nonzero(kn[a : i + 1] @ kn[j] <= theta)[0]",
+           "bad = np.nonzero(kn[a : i + 1] @ kn[j] < theta)[0]",
+           KVMERGER, "Algorithm 1: merge at cos >= theta instead of > theta"),
+    Mutant("kvmerger-heavy-outside-recent", "kvmerger", "kvbench/methods/kvmerger.py",
+           "older = a[row, group].mean(0)[real[: length - n_rec]]",
+           "older = a[row, group].mean(0)[real]",
+           KVMERGER, "heavy hitters chosen among all tokens, recent ones included"),
+    Mutant("kvmerger-pivot-argmax", "kvmerger", "kvbench/methods/kvmerger_ops.py",
+           'cand = torch.where(s == per_set(s, "max")[seg]',
+           'cand = torch.where(s == per_set(s, "min")[seg]',
+           KVMERGER, "pivot: the least attended member"),
+    Mutant("kvmerger-gaussian-sign", "kvmerger", "kvbench/methods/kvmerger_ops.py",
+           "g = torch.exp(-d2 / (2 * sig.clamp(min=_EPS)[seg] ** 2))",
+           "g = torch.exp(d2 / (2 * sig.clamp(min=_EPS)[seg] ** 2))",
+           KVMERGER, "Gaussian kernel weights growing with the distance"),
+    # ---- POD (kvbench/methods/pod.py, pod_attention.py) -------------------------------------------------------
+    Mutant("pod-shared-distant-only", "pod", "kvbench/methods/pod.py",
+           'self._shared[ctx.layer_idx] = logits.masked_fill(~dist, float("-inf"))',
+           'self._shared[ctx.layer_idx] = logits.masked_fill(~(prox | dist), float("-inf"))',
+           POD, "decode: the shared distant logits cover every token, proximal ones included"),
+    Mutant("pod-split-decode", "pod", "kvbench/methods/pod_attention.py",
+           "distant = (j >= n_s) & (j <= i - n_r)",
+           "distant = (j >= n_s) & (j < i - n_r)",
+           POD, "eq. 3 (decode and prompt share it): the recent window one token longer"),
+    Mutant("pod-split-prefill", "pod", "kvbench/methods/pod_attention.py",
+           "distant = (j >= n_s) & (j <= i - n_r)",
+           "distant = (j > n_s) & (j <= i - n_r)",
+           POD, "eq. 3 (decode and prompt share it): one sink more"),
+    Mutant("pod-gate", "pod", "kvbench/methods/pod_attention.py",
+           "gate = torch.exp(lse_p - torch.logaddexp(lse_p, lse_d))",
+           "gate = torch.exp(lse_d - torch.logaddexp(lse_p, lse_d))",
+           POD, "eq. 4: the gate weighs the distant part with the proximal mass"),
+    # ---- SnapKV (kvbench/methods/snapkv.py; keep_top in cache_ops.py) -----------------------------------------------
+    Mutant("snapkv-score-last-query", "snapkv", "kvbench/methods/snapkv.py",
+           "votes = probs[..., : n - window].sum(-2)  # (B, Hq, n - w)",
+           "votes = probs[..., -1, : n - window]  # (B, Hq, n - w)",
+           SNAPKV, "score: the last query's attention instead of the window's sum"),
+    Mutant("snapkv-no-pooling", "snapkv", "kvbench/methods/snapkv.py",
+           "votes = aggregate_group(pool1d(votes, kernel, pooling), heads, group_agg)  # (B, H, n - w)",
+           "votes = aggregate_group(votes, heads, group_agg)  # (B, H, n - w)",
+           SNAPKV, "pooling: none (kernel 1)"),
+    Mutant("snapkv-group-max", "snapkv", "kvbench/methods/snapkv.py",
+           "votes = aggregate_group(votes, heads, group_agg.removesuffix(\"_before_pool\"))",
+           "votes = aggregate_group(votes, heads, \"max\")",
+           SNAPKV, "group aggregation: the reference's kv_head mode takes the group's max, not its mean"),
+    Mutant("snapkv-window-protection", "snapkv", "kvbench/methods/snapkv.py",
+           "keep_top(layer, scores, self.layer_capacity(ctx), window=self.window)",
+           "keep_top(layer, scores, self.layer_capacity(ctx))",
+           SNAPKV, "selection: top C over every token with the window at +inf (ties broken otherwise)"),
+    Mutant("keep-top-row-order", "snapkv", "kvbench/methods/cache_ops.py",
+           "entries = torch.sort((~valid[row, hidx]).to(torch.uint8), dim=-1, stable=True).indices[:, :m]",
+           "entries = torch.sort((~valid[row, hidx]).to(torch.uint8), dim=-1, stable=True).indices[:, :m].flip(-1)",
+           BATCH, "batch: a padded row's entries selected in another order than the row alone (ties differ)"),
+    # ---- PyramidKV (kvbench/methods/pyramidkv.py) ---------------------------------------------------------------
+    Mutant("pyramidkv-min-real", "pyramidkv", "kvbench/methods/pyramidkv.py",
+           "low = int(base // beta)",
+           "low = int(round(base / beta))",
+           PYRAMIDKV, "capacity arithmetic: min rounded instead of the code's floor division"),
+    Mutant("pyramidkv-step-divisor", "pyramidkv", "kvbench/methods/pyramidkv.py",
+           'STEP_DIVISOR = {"kvfactory_2406": 0, "kvfactory_2409": 1}',
+           'STEP_DIVISOR = {"kvfactory_2406": 1, "kvfactory_2409": 0}',
+           PYRAMIDKV, "capacity arithmetic: the two periods' step divisors swapped"),
+    Mutant("pyramidkv-clamp", "pyramidkv", "kvbench/methods/pyramidkv.py",
+           "            high = n - window\n            low = 2 * base - high\n        steps",
+           "            high = n - window - 1\n            low = 2 * base - high\n        steps",
+           PYRAMIDKV, "capacity arithmetic: max clamped to n - w - 1 (the 2024-06-10 file) instead of n - w"),
+    # ---- H2O (kvbench/methods/h2o.py, engine/scores.py) -------------------------------------------------------------
+    Mutant("h2o-2410-causal", "h2o", "kvbench/engine/scores.py",
+           "future = (k_idx > q_idx) & (q_idx >= n - window) & (k_idx >= n - window)",
+           "future = k_idx > q_idx",
+           H2O, "score (kvfactory_2410): fully causal instead of the reference's w x w block mask"),
+    Mutant("h2o-2406-score", "h2o", "kvbench/methods/h2o.py",
+           "return window_attention(ctx.queries, layer.keys, self.window, ctx.scaling, ctx.key_valid).sum(-2)",
+           "return window_attention(ctx.queries, layer.keys, self.window, ctx.scaling, ctx.key_valid).amax(-2)",
+           H2O, "score (kvfactory_2406): the window's max instead of its sum"),
+    Mutant("h2o-group-max", "h2o", "kvbench/methods/h2o.py",
+           "acc = aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], self.group_agg)",
+           "acc = aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], \"max\")",
+           H2O, "group aggregation: max over the group instead of group_agg"),
+    Mutant("h2o-window", "h2o", "kvbench/methods/h2o.py",
+           "return torch.full_like(capacity, self.window)",
+           "return torch.full_like(capacity, self.window - 1)",
+           H2O, "window protection: one protected token fewer"),
+    # ---- StreamingLLM (kvbench/methods/streamingllm.py) -------------------------------------------------------------
+    Mutant("streamingllm-kvfactory-head", "streamingllm", "kvbench/methods/streamingllm.py",
+           "head = self.sink_size if self.variant == \"paper\" or self.window is None else cap - self.window",
+           "head = self.sink_size if self.variant == \"paper\" else cap - (self.window or 0)",
+           STREAMINGLLM, "window protection: window=null keeps the first C tokens, not 4 sinks + C - 4 recent"),
+    Mutant("streamingllm-recent", "streamingllm", "kvbench/methods/streamingllm.py",
+           "keep = ((rank >= 0) & (rank < head)) | (rank >= count - recent)",
+           "keep = ((rank >= 0) & (rank < head)) | (rank > count - recent)",
+           STREAMINGLLM, "window protection: one recent token fewer"),
+    # ---- CaM prefill_only (kvbench/methods/cam.py) ------------------------------------------------------------------
+    Mutant("cam-group-max", "cam", "kvbench/methods/cam.py",
+           "votes = aggregate_group(votes, hkv, \"mean\")",
+           "votes = aggregate_group(votes, hkv, \"max\")",
+           CAM, "group aggregation: max over the group instead of the mean"),
+    Mutant("cam-window", "cam", "kvbench/methods/cam.py",
+           "torch.cat([votes[..., : n - w], torch.full_like(votes[..., n - w :],",
+           "torch.cat([votes[..., : n - w - 1], torch.full_like(votes[..., n - w - 1 :],",
+           CAM, "score: the newest past token scored as the window"),
+    # ---- D2O (kvbench/methods/d2o.py, d2o_ops.py) --------------------------------------------------------------
+    Mutant("d2o-minmax-density", "d2o", "kvbench/methods/d2o_ops.py",
+           "out.append(((var - var.min())",
+           "out.append(((var + var.min())",
+           D2O, "official density: min-max normalisation of the per-head variance"),
+    Mutant("d2o-allocation-sign", "d2o", "kvbench/methods/d2o_ops.py",
+           "weights = torch.softmax(-density.float(), dim=0)",
+           "weights = torch.softmax(density.float(), dim=0)",
+           D2O, "official allocation: more tokens to denser layers"),
+    Mutant("d2o-allocation-literal", "d2o", "kvbench/methods/d2o_ops.py",
+           "weights = torch.softmax(-normalise_density(density, how)",
+           "weights = torch.softmax(normalise_density(density, how)",
+           D2O, "paper/zscore allocation: more tokens to denser layers"),
+    Mutant("d2o-merge-slot", "d2o", "kvbench/methods/d2o_ops.py",
+           "merge = slot >= new.unsqueeze(-1)",
+           "merge = slot <= new.unsqueeze(-1)",
+           D2O, "merge only the evicted slots"),
+    Mutant("d2o-ema", "d2o", "kvbench/methods/d2o_ops.py",
+           "(1 - beta) * old + beta * m_bar",
+           "(1 + beta) * old + beta * m_bar",
+           D2O, "EMA threshold update"),
+    Mutant("d2o-ema-gate", "d2o", "kvbench/methods/d2o_ops.py",
+           "merge = m.double() >= torch.where(fresh, mean_m, tau).unsqueeze(-1)",
+           "merge = m.double() <= torch.where(fresh, mean_m, tau).unsqueeze(-1)",
+           D2O, "EMA gate: merge when the similarity reaches the threshold"),
+    Mutant("d2o-self-weight", "d2o", "kvbench/methods/d2o_ops.py",
+           "self_w, w, cnt = 1.0, m * flag, flag",
+           "self_w, w, cnt = 2.0, m * flag, flag",
+           D2O, "merge weights: the kept token's own weight"),
+    Mutant("d2o-merge-denominator", "d2o", "kvbench/methods/d2o_ops.py",
+           "merged = (self_w * xf + num) / (self_w + den).unsqueeze(-1)",
+           "merged = (self_w * xf + num) / (self_w - den).unsqueeze(-1)",
+           D2O, "merge weights normalised"),
+    Mutant("d2o-recent-window", "d2o", "kvbench/methods/d2o.py",
+           "(rank >= (counts - recent.view(-1, 1)).unsqueeze(-1))",
+           "(rank > (counts - recent.view(-1, 1)).unsqueeze(-1))",
+           D2O, "the recent window's size"),
+    Mutant("d2o-edge-layers", "d2o", "kvbench/methods/d2o.py",
+           "layer in (0, 1, num_layers - 1)",
+           "layer in (0, 1, num_layers - 2)",
+           D2O, "official code: the layers never compressed"),
+    Mutant("d2o-first-token", "d2o", "kvbench/methods/d2o.py",
+           "official_ratios(density, capacity / n), n + 1,",
+           "official_ratios(density, capacity / n), n + 2,",
+           D2O, "official code: layers sized at the first generated token"),
+    # ---- DynamicKV (kvbench/methods/dynamickv.py) ------------------------------------------------------------
+    Mutant("dynamickv-schedule", "dynamickv", "kvbench/methods/dynamickv.py",
+           "if ctx.layer_idx % self.update_interval == self.update_interval - 1 and (",
+           "if ctx.layer_idx % self.update_interval == self.update_interval - 2 and (",
+           DYNAMICKV, "official schedule: re-allocation every m-th layer"),
+    Mutant("dynamickv-schedule-switch", "dynamickv", "kvbench/methods/dynamickv.py",
+           "if self.schedule == \"paper\":",
+           "if self.schedule != \"paper\":",
+           DYNAMICKV, "paper vs official schedule"),
+    Mutant("dynamickv-target", "dynamickv", "kvbench/methods/dynamickv_ops.py",
+           "target, s = base * num_layers, sum(z)",
+           "target, s = base + num_layers, sum(z)",
+           DYNAMICKV, "eq. 8: the total budget"),
+    Mutant("dynamickv-ratio", "dynamickv", "kvbench/methods/dynamickv_ops.py",
+           "ratio = sum(z) / target",
+           "ratio = sum(z) * target",
+           DYNAMICKV, "eq. 8: the rescaling ratio"),
+    Mutant("dynamickv-head-index", "dynamickv", "kvbench/methods/dynamickv_ops.py",
+           "top // (h * past)",
+           "top % (h * past)",
+           DYNAMICKV, "eq. 5: layer of a top entry"),
+    Mutant("dynamickv-remainder", "dynamickv", "kvbench/methods/dynamickv.py",
+           "counts[-1] += base * self._scores[0].shape[1] - sum(counts)",
+           "counts[0] += base * self._scores[0].shape[1] - sum(counts)",
+           DYNAMICKV, "eq. 8: the rounding remainder to the last layer"),
+    Mutant("dynamickv-window-sum", "dynamickv", "kvbench/methods/dynamickv_ops.py",
+           "return probs[..., : n - ws].sum(-2)",
+           "return probs[..., : n - ws].sum(-1)",
+           DYNAMICKV, "eq. 4: the window's attention summed over its queries"),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree as it is (tracked and untracked, not ignored files) into ``dest``."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, str]:
+    """("passed" | "failed" | "timeout", last output line) of the tests in ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider", *tests]
+    try:
+        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", f"ran past {timeout:g} s"
+    lines = [line for line in done.stdout.strip().splitlines() if line.strip()]
+    return ("passed" if done.returncode == 0 else "failed"), (lines[-1] if lines else done.stderr.strip()[-200:])
+
+
+def stale(mutants: list[Mutant], root: Path) -> list[str]:
+    """A line for each mutant whose original text does not occur exactly once in its file."""
+    out = []
+    for m in mutants:
+        path = root / m.file
+        count = path.read_text().count(m.original) if path.is_file() else 0
+        if count != 1:
+            where = "missing file" if not path.is_file() else f"occurs {count} times"
+            out.append(f"{m.id}: original text {where} in {m.file}: {m.original!r}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", default=None, help="mutant ids")
+    parser.add_argument("--method", nargs="*", default=None, help="methods (omnikv kvmerger pod d2o dynamickv)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per test run (past it: killed)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and their tests, run nothing")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if (args.only is None or m.id in args.only)
+              and (args.method is None or m.method in args.method)]
+    unknown = set(args.only or ()) - {m.id for m in MUTANTS}
+    if unknown or not chosen:
+        print(f"no such mutant: {', '.join(sorted(unknown))}" if unknown else "no mutant selected", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in chosen:
+            print(f"{m.id:32s} {m.file}: {m.what}\n{'':32s} tests: {' '.join(m.tests)}")
+        return 0
+    problems = stale(chosen, REPO)
+    if problems:
+        print("the mutant list is stale:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+
+    def interrupted(signum, frame):  # SIGTERM: unwind through the finally blocks like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background (SIGINT ignored)
+    tree = Path(tempfile.mkdtemp(prefix="kvbench-mutants-"))
+    results: list[tuple[Mutant, str, str, float]] = []
+    try:
+        copy_tree(tree)
+        for tests in sorted({tuple(m.tests) for m in chosen}):
+            status, last = run_tests(tree, list(tests), args.timeout)
+            print(f"baseline {' '.join(tests)}: {status} ({last})", flush=True)
+            if status != "passed":
+                print("the unmutated tests fail: fix them before reading mutants", file=sys.stderr)
+                return 2
+        for m in chosen:
+            path = tree / m.file
+            original = path.read_text()
+            start = time.perf_counter()
+            try:
+                path.write_text(original.replace(m.original, m.mutated, 1))
+                status, last = run_tests(tree, m.tests, args.timeout)
+            finally:
+                path.write_text(original)
+            verdict = "survived" if status == "passed" else "killed"
+            results.append((m, verdict, last if status != "timeout" else "timeout: " + last,
+                            time.perf_counter() - start))
+            print(f"{verdict:8s} {m.id} ({m.what}) [{results[-1][3]:.0f} s] {last}", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted; the working tree was never modified", file=sys.stderr)
+        return 130
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    survived = [m.id for m, verdict, _, _ in results if verdict == "survived"]
+    print(f"\n{len(results) - len(survived)} killed, {len(survived)} survived of {len(results)} mutants")
+    for m, verdict, _, seconds in results:
+        print(f"  {verdict:8s} {m.method:10s} {m.id:32s} {seconds:4.0f} s")
+    if survived:
+        print("survivors (add a test that fails on them): " + ", ".join(survived))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
