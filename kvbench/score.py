@@ -21,9 +21,9 @@ task with ``--dataset``).
 
 Each benchmark package provides ``kvbench/tasks/<bench>/scoring.py`` with ``score_records(records) -> {"datasets":
 {name: score}, ...aggregates}``, loaded lazily; a benchmark whose module has not landed exits 2 with one line. Any
-bad input (missing file, a line that is not JSON, a missing field, an unknown dataset or benchmark) is one line on
-stderr and exit code 2. The scores are printed as a table; ``--out FILE`` also writes them as JSON (``-``: JSON on
-stdout instead of the table).
+bad input (missing or unreadable file, bytes that are not UTF-8, a line that is not JSON, a missing field, an unknown
+dataset or benchmark) is one line on stderr and exit code 2. The scores are printed as a table; ``--out FILE`` also
+writes them as JSON (``-``: JSON on stdout instead of the table).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvbench.errors import DataError, KVBenchError
+from kvbench.tasks.records import json_lines, utf8_lines
 
 BENCHMARKS: dict[str, str] = {
     "longbench": "kvbench.tasks.longbench.scoring:score_records",
@@ -103,21 +104,20 @@ def read_records(path: str, default_dataset: str | None = None) -> list[dict[str
     file = Path(path)
     if not file.is_file():
         raise DataError(f"predictions file {path!r} does not exist")
-    records = []
-    with file.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path} line {number} is not JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(raw, dict):
-                raise DataError(f"{path} line {number} is not a JSON object")
-            records.append(_normalize(raw, number, path, default_dataset))
+    lines = _text_lines(file, path)
+    records = [_normalize(raw, number, path, default_dataset) for number, raw in json_lines(lines, path)]
     if not records:
         raise DataError(f"predictions file {path!r} has no records")
     return records
+
+
+def _text_lines(file: Path, path: str) -> list[str]:
+    """The file's lines, each decoded as UTF-8 on its own (``utf8_lines``); an unreadable file is a DataError."""
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise DataError(f"predictions file {path!r} cannot be read ({exc.strerror or exc})") from None
+    return utf8_lines(data, path)
 
 
 def _normalize(raw: dict[str, Any], number: int, path: str, default_dataset: str | None) -> dict[str, Any]:
@@ -163,6 +163,12 @@ def _fmt(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, float) and not math.isnan(value) else str(value)
 
 
+def _text(path: str) -> str:
+    """``path`` as UTF-8 text: a file name whose bytes are not UTF-8 reaches Python with surrogate escapes, which no
+    UTF-8 output can hold (writing ``--out`` would fail); they become U+FFFD, as the name is only shown."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     except KVBenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    result = {"benchmark": args.benchmark, "predictions": str(args.predictions), **scores}
+    result = {"benchmark": args.benchmark, "predictions": _text(args.predictions), **scores}
     text = json.dumps(result, indent=2, ensure_ascii=False) + "\n"
     if args.out == "-":
         sys.stdout.write(text)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 from kvbench.bench.measure import essay_tokens  # noqa: E402
 from kvbench.bench.run import method_config  # noqa: E402
 from kvbench.budget import Budget  # noqa: E402
-from kvbench.engine import CompressionSession, KVCache, greedy_generate  # noqa: E402
+from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate  # noqa: E402
 from kvbench.errors import KVBenchError  # noqa: E402
 from kvbench.methods import METHODS, build_method  # noqa: E402
 from kvbench.models import load_model, spec_from_config  # noqa: E402
@@ -58,7 +58,8 @@ def kept_positions(cache: KVCache) -> set[tuple[int, int, int, int]]:
 def prefill(model, method, budget, ids):
     cache = KVCache()
     with CompressionSession(model, method, budget):
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1].float()
     return logits.cpu(), kept_positions(cache)
 
 

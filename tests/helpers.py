@@ -133,7 +133,7 @@ def run_job_in(results_dir, overrides: list[str]) -> tuple[dict, list[dict]]:
     from hydra import compose, initialize_config_dir
 
     from kvbench.config import CONF_DIR, register_resolvers
-    from kvbench.run import run_job
+    from kvbench.jobs import run_job
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -142,3 +142,74 @@ def run_job_in(results_dir, overrides: list[str]) -> tuple[dict, list[dict]]:
     scores = run_job(cfg)
     samples = next(results_dir.rglob("samples.jsonl")).read_text().splitlines()
     return scores, [json.loads(line) for line in samples]
+
+
+# ---- tiny random models of each architecture family (tests/test_architectures.py) ------------------------------------
+WINDOW = 64  # sliding window of the tiny families that have one: shorter than the test prompts
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "mistral", "gemma2", "gemma3", "gpt_oss")
+SLIDING_FAMILIES = ("qwen2", "phi3", "mistral", "gemma2", "gemma3", "gpt_oss")
+
+
+def tiny_family(family: str, layers: int = 4):
+    """A seeded random model of ``family`` (4 layers, 4 query / 2 KV heads, head_dim 16, vocab 256) with a sliding
+    window of ``WINDOW`` where the family has one: Qwen2 slides from layer 2 on (max_window_layers), Phi-3 and
+    Mistral on every layer, Gemma 2 and GPT-OSS alternate (GPT-OSS with learned sinks; both eager, as transformers
+    runs them; Gemma 2 with logit soft-capping), Gemma 3 is hybrid (layer 2 full, the others sliding). Falcon is
+    built too (multi-query), to show that kvbench refuses it."""
+    import transformers as tr
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+    pattern = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    builders = {
+        "llama": (tr.LlamaConfig, tr.LlamaForCausalLM, dict(head_dim=16)),
+        "qwen2": (tr.Qwen2Config, tr.Qwen2ForCausalLM, dict(use_sliding_window=True, sliding_window=WINDOW,
+                                                           max_window_layers=2)),
+        "qwen3": (tr.Qwen3Config, tr.Qwen3ForCausalLM, dict(head_dim=16)),
+        "phi3": (tr.Phi3Config, tr.Phi3ForCausalLM, dict(sliding_window=WINDOW)),
+        "mistral": (tr.MistralConfig, tr.MistralForCausalLM, dict(head_dim=16, sliding_window=WINDOW)),
+        "gemma2": (tr.Gemma2Config, tr.Gemma2ForCausalLM, dict(head_dim=16, sliding_window=WINDOW,
+                                                               layer_types=pattern, attn_implementation="eager")),
+        "gemma3": (tr.Gemma3TextConfig, tr.Gemma3ForCausalLM, dict(
+            head_dim=16, sliding_window=WINDOW,
+            layer_types=["full_attention" if i == 2 else "sliding_attention" for i in range(layers)])),
+        "gpt_oss": (tr.GptOssConfig, tr.GptOssForCausalLM, dict(head_dim=16, sliding_window=WINDOW, layer_types=pattern,
+                                                                num_local_experts=4, num_experts_per_tok=2,
+                                                                attn_implementation="eager")),
+        "falcon": (tr.FalconConfig, tr.FalconForCausalLM, dict(multi_query=True, num_kv_heads=1)),
+    }
+    config_cls, model_cls, extra = builders[family]
+    extra = dict(extra)
+    impl = extra.pop("attn_implementation", "sdpa")
+    config = config_cls(**{**common, **extra})
+    config._attn_implementation = impl
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = model_cls(config)
+    if family == "gpt_oss":  # sinks are created empty: give them values, or they are whatever memory held
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(1)
+            for module in model.modules():
+                if hasattr(module, "sinks"):
+                    module.sinks.normal_()
+    return model.eval().requires_grad_(False)
+
+
+def load_gemma3_270m():
+    """The embedded Gemma-3-270M (conf/model/gemma3-270m.yaml), or a skip where this transformers cannot convert it:
+    releases before 5.23 build its tokenizer from the GGUF wrongly, and kvbench refuses to convert it with them (a
+    copy converted by a newer release loads on any)."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from kvbench.config import CONF_DIR
+    from kvbench.errors import NotAvailableError
+    from kvbench.models import load_model, spec_from_config
+
+    try:
+        return load_model(spec_from_config(OmegaConf.load(CONF_DIR / "model" / "gemma3-270m.yaml")))
+    except NotAvailableError as exc:
+        if "tokenizer from its GGUF file wrongly" not in str(exc):
+            raise
+        pytest.skip(str(exc))

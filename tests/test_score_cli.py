@@ -129,7 +129,7 @@ def test_infinitebench_official_results_file(tmp_path, capsys):
 def _run_job(tmp_path, monkeypatch, overrides):
     """A job on the tiny random model (its predictions are noise, generated up to each dataset's max length: the
     datasets are chosen for short generations)."""
-    from kvbench.run import run_job
+    from kvbench.jobs import run_job
 
     monkeypatch.setenv("KVBENCH_RESULTS_DIR", str(tmp_path / "results"))
     register_resolvers()
@@ -233,6 +233,43 @@ def test_bad_input(tmp_path, capsys, lines, argv, message):
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
 
 
+LINE = json.dumps(GOOD).encode()
+NOT_UTF8 = b'{"dataset": "hotpotqa", "prediction": "'  # then b"\xff\xfe", which no UTF-8 text holds
+
+
+@pytest.mark.parametrize(("before", "newline", "line"), [([], b"\n", 1), ([LINE, LINE], b"\n", 3),
+                                                        ([LINE], b"\r\n", 2), ([LINE], b"\r", 2)])
+def test_bytes_that_are_not_utf8_are_one_line_naming_where(tmp_path, capsys, before, newline, line):
+    path = tmp_path / "preds.jsonl"
+    head = b"".join(b + newline for b in before)
+    path.write_bytes(head + NOT_UTF8 + b'\xff\xfe", "answers": ["x"]}' + newline + LINE + newline)
+    code, out, err = _main(capsys, path, "--benchmark", "longbench")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: {path} line {line} is not UTF-8 (byte offset {len(head) + len(NOT_UTF8)} in the "
+                          "file: invalid start byte"), err
+
+
+def test_a_file_that_cannot_be_read_is_one_line(tmp_path, capsys, monkeypatch):
+    path = _write(tmp_path / "preds.jsonl", [GOOD])
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    code, _, err = _main(capsys, path, "--benchmark", "longbench")
+    assert code == 2 and err == f"error: predictions file {str(path)!r} cannot be read (Permission denied)\n"
+
+
+def test_a_file_name_that_is_not_utf8_is_written_as_text(tmp_path, capsys):
+    """Such a name reaches Python with surrogate escapes; the JSON written with --out must still be UTF-8."""
+    path = os.fsdecode(os.fsencode(tmp_path) + b"/preds\xff.jsonl")
+    _write(Path(path), [GOOD])
+    code, _, err = _main(capsys, path, "--benchmark", "longbench", "--out", tmp_path / "scores.json")
+    assert code == 0, err
+    written = json.loads((tmp_path / "scores.json").read_text(encoding="utf-8"))
+    assert written["predictions"].endswith("preds\ufffd.jsonl")
+
+
 def test_benchmark_not_landed_yet(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(cli.BENCHMARKS, "ruler", "kvbench.tasks.not_written_yet.scoring:score_records")
     code, _, err = _main(capsys, _write(tmp_path / "p.jsonl", [GOOD]), "--benchmark", "ruler")
@@ -243,11 +280,14 @@ def test_benchmark_not_landed_yet(tmp_path, capsys, monkeypatch):
     assert code == 2 and "not available yet" in err
 
 
-def test_command_line_exit_code_and_no_traceback(tmp_path):
-    path = _write(tmp_path / "preds.jsonl", [GOOD, "{not json"])
+@pytest.mark.parametrize(("content", "message"), [(LINE + b"\n{not json\n", "line 2 is not JSON"),
+                                                 (b"\xff\xfe" + LINE + b"\n", "line 1 is not UTF-8 (byte offset 0 ")])
+def test_command_line_exit_code_and_no_traceback(tmp_path, content, message):
+    path = tmp_path / "preds.jsonl"
+    path.write_bytes(content)
     proc = subprocess.run([sys.executable, "-m", "kvbench.score", str(path), "--benchmark", "longbench"],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ}, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "line 2 is not JSON" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
 
 

@@ -239,7 +239,7 @@ def wandb_records(path: Path) -> list:
 
 
 def test_wandb_logger_offline_logs_scores_efficiency_and_samples(tmp_path, hydra_loader, monkeypatch):
-    from kvbench.run import run_job
+    from kvbench.jobs import run_job
     from kvbench.sweep.plan import Composer
 
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 from kvbench.errors import ConfigError, DataError
 from kvbench.metrics import leval as m
 from kvbench.tasks.base import Sample
-from kvbench.tasks.encoding import middle_truncate
 from kvbench.tasks.leval import LEvalSample, LEvalTask
 from kvbench.tasks.leval.scoring import DATASETS, score_records
 from kvbench.tasks.leval.task import cut_document
+from kvbench.tasks.text import middle_truncate
 
 FIXTURES = Path(__file__).parent / "fixtures" / "leval"
 CONF_TASK = Path(__file__).resolve().parents[1] / "conf" / "task"
@@ -403,7 +403,7 @@ def test_smollm2_run_on_fixtures(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from kvbench.config import CONF_DIR, register_resolvers
-    from kvbench.run import run_job
+    from kvbench.jobs import run_job
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -253,7 +253,7 @@ def test_tiny_model_job_aggregate_matches_records(tmp_path, overrides, primary, 
 
 # ---- errors before the model loads -----------------------------------------------------------------------------------
 def test_missing_lm_eval_names_the_extra(monkeypatch):
-    from kvbench.run import plan_job
+    from kvbench.jobs import plan_job
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

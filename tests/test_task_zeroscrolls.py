@@ -16,7 +16,7 @@ from scipy.stats import kendalltau
 
 from kvbench.errors import ConfigError, DataError, NotAvailableError
 from kvbench.metrics import zeroscrolls as m
-from kvbench.tasks.encoding import middle_truncate
+from kvbench.tasks.text import middle_truncate
 from kvbench.tasks.zeroscrolls import ZeroScrollsTask
 from kvbench.tasks.zeroscrolls.scoring import DATASETS, score_records
 
@@ -304,7 +304,7 @@ def test_smollm2_run_on_fixtures(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from kvbench.config import CONF_DIR, register_resolvers
-    from kvbench.run import run_job
+    from kvbench.jobs import run_job
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -14,7 +14,7 @@ import sys
 def main() -> None:
     from kvbench.config import CONF_DIR, register_resolvers
     from kvbench.errors import ConfigError, KVBenchError
-    from kvbench.run import precheck_overrides
+    from kvbench.overrides import precheck_overrides
 
     register_resolvers()
     try:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvbench.budget import Budget
-from kvbench.engine import CompressionSession, KVCache, greedy_generate
+from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate
 from kvbench.methods import Method
 
 
@@ -154,7 +154,7 @@ def _prefill(model, method: Method, budget: Budget, ids: torch.Tensor) -> tuple[
     with CompressionSession(model, method, budget) as session:
         _sync(model.device)
         start = time.perf_counter()
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         _sync(model.device)
         seconds = time.perf_counter() - start
     return seconds, session.stats.resident_kv_bytes_after_prefill
@@ -163,7 +163,7 @@ def _prefill(model, method: Method, budget: Budget, ids: torch.Tensor) -> tuple[
 def measure_cell(loaded, method: Method, budget: Budget, context_length: int, batch_size: int,
                  metrics: list[str], new_tokens: int = 32, warmup: int = 1, repeats: int = 3,
                  baseline: tuple[Method, Budget] | None = None,
-                 warmup_new_tokens: int | None = None) -> CellResult:
+                 warmup_new_tokens: int | None = None, compile: bool = False) -> CellResult:
     """Measure ``metrics`` (any of ``prefill``, ``memory``, ``decode``) for one cell.
 
     With ``baseline`` (FullKV's method and budget) the prefill is timed in pairs with the baseline's, alternating
@@ -172,7 +172,9 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
     CPU threads spreads 5.5-6.8 s between runs).
 
     ``warmup_new_tokens`` shortens the decode warm-up runs (default: ``new_tokens``): at D2O Table 5's 2048+8192 a
-    full-length warm-up doubles minutes of GPU time to warm kernels that are warm after a few steps."""
+    full-length warm-up doubles minutes of GPU time to warm kernels that are warm after a few steps.
+
+    ``compile``: the decode runs ``engine.compile``'s static step (the warm-up runs compile it)."""
     _mmap_threshold(_STEADY_MMAP)  # timings with the allocator's steady state, whatever ran before
     model = loaded.model
     prompts = prompts_for(loaded.tokenizer, context_length, batch_size)
@@ -210,7 +212,7 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         outs = []
         for i in range(warmup + repeats):
             steps = new_tokens if i >= warmup or warmup_new_tokens is None else min(warmup_new_tokens, new_tokens)
-            with CompressionSession(model, method, budget) as session:
+            with CompressionSession(model, method, budget, compile=compile) as session:
                 out = greedy_generate(model, prompts, steps, [], loaded.tokenizer.pad_token_id)
             if i >= warmup:
                 outs.append(out)

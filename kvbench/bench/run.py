@@ -83,7 +83,7 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
 
 
 def _cell_key(row: dict[str, Any]) -> tuple:
-    return tuple(row[f] for f in FIELDS)
+    return (*(row[f] for f in FIELDS), bool(row.get("compile", False)))
 
 
 def run_bench(cfg: DictConfig) -> None:
@@ -121,6 +121,9 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     store = out_dir / "cells.jsonl"
     rows = [json.loads(x) for x in store.read_text().splitlines() if x] if store.exists() else []
     context = {"model": spec.name, "device": device, "dtype": spec.dtype, "threads": torch.get_num_threads()}
+    compile_decode = bool(bench.get("compile", False))
+    if compile_decode:  # engine.compile's decode (kvbench/engine/static.py); left out of rows measured without it
+        context["compile"] = True
     if cfg.rerun:  # measure this run's cells again; the store keeps every other cell (e.g. grids not in only_grids)
         again = {_cell_key({**context, "method": c["method"], "budget": c["budget"].label(),
                             "context_length": c["context_length"], "batch_size": c["batch_size"]}) for c in cells}
@@ -146,7 +149,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
             result = measure_cell(loaded, method, cell["budget"], cell["context_length"], cell["batch_size"],
                                   metrics, cell["new_tokens"], bench.warmup, cell["repeats"],
                                   baseline=fullkv if cell["paired"] else None,
-                                  warmup_new_tokens=bench.get("decode_warmup_tokens"))
+                                  warmup_new_tokens=bench.get("decode_warmup_tokens"), compile=compile_decode)
             row.update(result.as_dict())
             method_cfg = method_config(cell["method"], cell["overrides"])
             if isolate and "memory" in cell["metrics"]:
@@ -205,12 +208,17 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
             for row in [r for r in rows if r["method"] == method and r["context_length"] == length]:
                 verdict = {"target": target["name"], "metric": metric, "method": method, "budget": row["budget"],
                            "context_length": length, "batch_size": row["batch_size"], "value": row.get(metric)}
-                if target.get("equals_budget"):
+                if "max_value" in target:  # an absolute bound (FullKV's ms/token against the weight-streaming floor)
+                    value = row.get(metric)
+                    verdict.update(bound=f"<= {target['max_value']}",
+                                   ok=None if value is None else value <= target["max_value"])
+                elif target.get("equals_budget"):
                     budget = Budget.parse(_number(row["budget"]))
                     expected = row["batch_size"] * budget.tokens_for(length) * row["kv_bytes_per_token"]
                     verdict.update(expected=expected, ok=row.get(metric) == expected)
                 else:
-                    base = next((r for r in rows if r["method"] == "fullkv" and r["context_length"] == length
+                    reference = target.get("baseline", "fullkv")  # a ratio to FullKV, or to another method (SnapKV)
+                    base = next((r for r in rows if r["method"] == reference and r["context_length"] == length
                                  and r["batch_size"] == row["batch_size"] and r.get(metric) is not None), None)
                     bound = target.get("max_ratio", target.get("min_ratio"))
                     bound_text = ("<= " if "max_ratio" in target else ">= ") + str(bound)

@@ -240,7 +240,7 @@ def plan_one(composer: Composer, overrides: list[str], sweep_name: str | None = 
 
 def plan_config(cfg: DictConfig, overrides: list[str] | None = None) -> SweepJob:
     """Plan a composed job config and read its state from the store."""
-    from kvbench.run import plan_job
+    from kvbench.jobs import plan_job
     from kvbench.store import JobDir
 
     overrides = list(overrides or [])

@@ -66,7 +66,7 @@ def run_worker(chunk_path: str | Path) -> dict[str, Any]:
 
 def _run_one(item: dict[str, Any], models: ModelCache, record: WorkerRecord) -> dict[str, Any]:
     from kvbench.errors import NotAvailableError
-    from kvbench.run import plan_job, run_job
+    from kvbench.jobs import plan_job, run_job
     from kvbench.store import JobLockedError
 
     cfg = OmegaConf.create(item["config"])

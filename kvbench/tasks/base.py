@@ -68,7 +68,7 @@ class Task(ABC):
         """``sample.prompt`` fitted into ``max_tokens`` tokens, before any chat template. Default: LongBench's middle
         truncation (``kvbench.tasks.encoding.middle_truncate``). LEval and ZeroSCROLLS override it: they cut only
         their document, the way their official scripts do, and keep the question."""
-        from kvbench.tasks.encoding import middle_truncate
+        from kvbench.tasks.text import middle_truncate
 
         return middle_truncate(sample.prompt, tokenizer, max_tokens)
 

@@ -13,6 +13,7 @@ from typing import Any
 from kvbench.errors import ConfigError
 from kvbench.models.spec import ModelSpec
 from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.text import middle_truncate
 
 
 def prompt_token_budget(task: Task, spec: ModelSpec, sample: Sample | None = None) -> int:
@@ -33,18 +34,6 @@ def prompt_token_budget(task: Task, spec: ModelSpec, sample: Sample | None = Non
                           f"longer-context model")
     explicit = task.truncate_to or spec.max_input_tokens
     return min(int(explicit), window) if explicit else window
-
-
-def middle_truncate(text: str, tokenizer: Any, max_tokens: int) -> str:
-    """``text`` unchanged if it has at most ``max_tokens`` tokens (no special tokens), else the first and last
-    ``max_tokens // 2`` tokens decoded (skipping special tokens) and joined, as LongBench ``pred.py`` does."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) <= max_tokens:
-        return text
-    half = max_tokens // 2
-    head = tokenizer.decode(ids[:half], skip_special_tokens=True)
-    tail = tokenizer.decode(ids[len(ids) - half :], skip_special_tokens=True) if half else ""
-    return head + tail
 
 
 def uses_chat_template(task: Task, spec: ModelSpec, tokenizer: Any, sample: Sample | None = None) -> bool:

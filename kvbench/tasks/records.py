@@ -7,7 +7,8 @@ built in Python are named by their position instead. Every problem is a ``DataEr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kvbench.errors import DataError
@@ -51,3 +52,34 @@ def group_in_order(items: Iterable[tuple[str, Any]], order: Iterable[str]) -> di
 
 
 __all__ = ["group_in_order", "require", "require_dataset", "where"]
+
+
+def utf8_lines(data: bytes, where: str) -> list[str]:
+    """``data``'s lines (split where text mode splits them), each decoded as UTF-8 on its own, so that bytes that are
+    not UTF-8 are one DataError naming ``where``, their line and their byte offset, not a traceback from deep inside
+    a text reader."""
+    lines, offset = [], 0
+    for number, raw in enumerate(data.splitlines(keepends=True), start=1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where} line {number} is not UTF-8 (byte offset {offset + exc.start} in the file: "
+                            f"{exc.reason}, {raw[exc.start:exc.start + 4]!r}); re-encode the file as UTF-8") from None
+        offset += len(raw)
+    return lines
+
+
+def json_lines(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line of a JSON-lines file; a line that is not JSON, or not a JSON
+    object, is one DataError naming ``where`` and the line."""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where} line {number} is not JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(value, dict):
+            raise DataError(f"{where} line {number} is not a JSON object")
+        yield number, value
+

@@ -10,11 +10,11 @@ kvbench reads the raw lines instead and keeps the types. Files come from ``task.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from kvbench.errors import DataError
+from kvbench.tasks.records import json_lines, utf8_lines
 
 HUB_REPO = "xinrongzhang2022/InfiniteBench"
 REQUIRED_FIELDS = ("context", "input", "answer")
@@ -63,24 +63,16 @@ def download_official(task_name: str, task: str) -> Path:
 def read_rows(path: Path, task_name: str, needs_options: bool = False) -> list[dict[str, Any]]:
     """The rows of one official jsonl file, checked for the fields the prompt and the label need."""
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"task {task_name!r}: {path} line {number} is not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"task {task_name!r}: {path} line {number} is not a JSON object")
-            missing = [name for name in REQUIRED_FIELDS if name not in row]
-            if missing:
-                raise DataError(f"task {task_name!r}: {path} line {number} has no field(s) {', '.join(missing)}")
-            options = row.get("options")
-            if needs_options and not (isinstance(options, list) and len(options) >= 4):
-                raise DataError(f"task {task_name!r}: {path} line {number} needs 4 'options'; got {options!r:.120}")
-            row["_line"] = number
-            rows.append(row)
+    where = f"task {task_name!r}: {path}"
+    for number, row in json_lines(utf8_lines(path.read_bytes(), where), where):
+        missing = [name for name in REQUIRED_FIELDS if name not in row]
+        if missing:
+            raise DataError(f"{where} line {number} has no field(s) {', '.join(missing)}")
+        options = row.get("options")
+        if needs_options and not (isinstance(options, list) and len(options) >= 4):
+            raise DataError(f"{where} line {number} needs 4 'options'; got {options!r:.120}")
+        row["_line"] = number
+        rows.append(row)
     if not rows:
         raise DataError(f"task {task_name!r}: {path} has no rows")
     return rows

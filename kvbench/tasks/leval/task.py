@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 from kvbench.errors import ConfigError, DataError
 from kvbench.tasks import check_bool, check_common, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
-from kvbench.tasks.encoding import middle_truncate
 from kvbench.tasks.leval.data import hub_file, local_files, read_documents
 from kvbench.tasks.leval.scoring import DATASET2METRIC, DATASETS, PROTOCOL, SCI_FI, question_score, score_records
+from kvbench.tasks.text import middle_truncate
 
 CLOSED = frozenset(PROTOCOL["closed_ended"])
 TEMPLATES: dict[str, str] = PROTOCOL["templates"]

@@ -8,7 +8,6 @@ The hub repository ``THUDM/LongBench`` is a loading script plus ``data.zip``; sc
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import zipfile
@@ -17,6 +16,7 @@ from typing import Any
 
 from kvbench import assets
 from kvbench.errors import DataError
+from kvbench.tasks.records import json_lines, utf8_lines
 
 HUB_REPO = "THUDM/LongBench"
 HUB_FILE = "data.zip"
@@ -90,19 +90,13 @@ def _unpack(task: str, archive: Path, target: Path) -> None:
 def read_rows(path: Path, task: str) -> list[dict[str, Any]]:
     """The rows of one official jsonl file, checked for the fields kvbench uses."""
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"task {task!r}: {path} line {number} is not JSON ({exc.msg})") from None
-            missing = [name for name in REQUIRED_FIELDS if name not in row]
-            if missing or not isinstance(row.get("answers"), list):
-                what = f"no field(s) {', '.join(missing)}" if missing else "'answers' is not a list"
-                raise DataError(f"task {task!r}: {path} line {number} has {what}")
-            rows.append(row)
+    where = f"task {task!r}: {path}"
+    for number, row in json_lines(utf8_lines(path.read_bytes(), where), where):
+        missing = [name for name in REQUIRED_FIELDS if name not in row]
+        if missing or not isinstance(row.get("answers"), list):
+            what = f"no field(s) {', '.join(missing)}" if missing else "'answers' is not a list"
+            raise DataError(f"{where} line {number} has {what}")
+        rows.append(row)
     if not rows:
         raise DataError(f"task {task!r}: {path} has no rows")
     return rows

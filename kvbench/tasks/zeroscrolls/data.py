@@ -12,12 +12,12 @@ section 0, pitfall 5), so kvbench reads the zips: from ``task.data_dir`` (``<dat
 
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from kvbench.errors import DataError
+from kvbench.tasks.records import json_lines, utf8_lines
 
 HUB_REPO = "tau/zero_scrolls"
 SPLIT_FILE = "validation.jsonl"
@@ -52,14 +52,15 @@ def hub_source(task: str, dataset: str) -> Path:
 
 
 def _lines(path: Path, task: str) -> list[str]:
+    where = f"task {task!r}: {path}"
     if path.suffix != ".zip":
-        return path.read_text(encoding="utf-8").splitlines()
+        return utf8_lines(path.read_bytes(), where)
     try:
         with zipfile.ZipFile(path) as zf:
             members = [n for n in zf.namelist() if n.rsplit("/", 1)[-1] == SPLIT_FILE]
             if not members:
-                raise DataError(f"task {task!r}: {path} has no {SPLIT_FILE}")
-            return zf.read(sorted(members, key=len)[0]).decode("utf-8").splitlines()
+                raise DataError(f"{where} has no {SPLIT_FILE}")
+            return utf8_lines(zf.read(sorted(members, key=len)[0]), where)
     except (OSError, zipfile.BadZipFile) as exc:
         raise DataError(f"task {task!r}: cannot read {path} ({exc}); set task.data_dir to the unpacked files") from None
 
@@ -68,14 +69,8 @@ def read_examples(path: Path, task: str) -> list[tuple[dict[str, Any], list[str]
     """(first row, references) per ``id`` in file order; the references are the ``output`` of every row with
     that id. DataError for malformed rows or unlabeled (test) data."""
     examples: dict[str, tuple[dict[str, Any], list[str]]] = {}
-    for number, line in enumerate(_lines(path, task), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"task {task!r}: {path} line {number} is not JSON ({exc.msg})") from None
-        missing = [k for k in FIELDS if k not in row] if isinstance(row, dict) else list(FIELDS)
+    for number, row in json_lines(_lines(path, task), f"task {task!r}: {path}"):
+        missing = [k for k in FIELDS if k not in row]
         if missing:
             raise DataError(f"task {task!r}: {path} line {number} has no field(s) {', '.join(missing)}")
         if not isinstance(row["output"], str):

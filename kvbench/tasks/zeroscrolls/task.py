@@ -22,7 +22,7 @@ from kvbench.errors import ConfigError, DataError
 from kvbench.metrics.zeroscrolls import check_f1_backend
 from kvbench.tasks import check_common, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
-from kvbench.tasks.encoding import middle_truncate
+from kvbench.tasks.text import middle_truncate
 from kvbench.tasks.zeroscrolls.data import hub_source, local_source, read_examples
 from kvbench.tasks.zeroscrolls.scoring import (
     DATASET2METRIC,

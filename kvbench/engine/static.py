@@ -1,0 +1,145 @@
+"""A decode step a GPU can run without the host: fixed-capacity cache layers, in-place eviction, one compiled function.
+
+Batch-1 decoding of an 8B model on an H100 is bound by kernel launches and host work, not by memory (issue: GPU-grade
+speed): the default decode path builds new cache tensors at every step (``torch.cat``, gathers) and runs Python per
+layer. With ``engine.compile=true`` the session converts every layer after prefill into a ``StaticKVLayer``:
+
+* a fixed number of slots ``(B, H, C, D)``: what the method keeps plus the tokens a step adds (budget + 1 for methods
+  that evict at every step; kept + the generation's length for methods that never evict after prefill);
+* a step writes its key/value into a free slot (``update``: a scatter, no new tensor), attends over the valid slots,
+  and an evicting method frees one slot by clearing its ``valid`` bit: no data moves, nothing changes shape;
+* ``static_step`` (attention + score accumulation + eviction of one layer) has no host read and no data-dependent
+  shape, so ``torch.compile(fullgraph=True)`` captures it once and never recompiles (``tests/test_static_decode.py``
+  counts graphs over 32 steps); on CUDA the engine compiles it with ``mode="reduce-overhead"`` (CUDA graphs).
+
+Slots are not in position order (an evicted slot is reused): attention does not care, and positions travel with the
+entries. A method opts in with ``Method.static_policy``; one without it (merging, its own attention) refuses
+``engine.compile`` with one line.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.engine.cache import KVLayer
+
+#: what a method does at a decode step, in a form the static step can run
+EVICTIONS = ("none", "oldest", "score")
+
+
+@dataclass(frozen=True)
+class StaticPolicy:
+    """``evict``: ``none`` (prefill-only methods: appended tokens stay), ``oldest`` (StreamingLLM: the oldest entry
+    after ``sinks`` leaves), ``score`` (H2O: the lowest accumulated attention outside the ``sinks`` first and the
+    ``recent`` newest positions leaves). ``accumulate``: add each step's attention probabilities (mean over the GQA
+    group) to the entries' scores (H2O's running column sums, state ``acc``)."""
+
+    evict: str = "none"
+    sinks: int = 0
+    recent: int = 0
+    accumulate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.evict not in EVICTIONS:
+            raise ValueError(f"StaticPolicy.evict={self.evict!r}; valid: {', '.join(EVICTIONS)}")
+
+
+class StaticKVLayer(KVLayer):
+    """A ``KVLayer`` with a fixed number of slots; ``valid`` marks the occupied ones (always a tensor here)."""
+
+    @classmethod
+    def from_layer(cls, layer: KVLayer, extra: int, accumulate: bool) -> StaticKVLayer:
+        """The entries of ``layer`` in a layer with ``extra`` free slots per (row, head) after them."""
+        b, h, n, d = layer.keys.shape
+        new = cls()
+        new.lazy_initialization(layer.keys, layer.values)
+        pad = (0, 0, 0, extra)
+        new.keys = torch.nn.functional.pad(layer.keys, pad)
+        new.values = torch.nn.functional.pad(layer.values, pad)
+        new.positions = torch.nn.functional.pad(layer.positions, (0, extra))
+        valid = layer.valid if layer.valid is not None else torch.ones(b, h, n, dtype=torch.bool,
+                                                                       device=layer.keys.device)
+        new.valid = torch.nn.functional.pad(valid, (0, extra))
+        if accumulate:
+            acc = layer.state.get("acc", torch.zeros(b, h, n, device=layer.keys.device, dtype=torch.float32))
+            new.state = {"acc": torch.nn.functional.pad(acc.float(), (0, extra))}
+        new.seen, new.capacity, new.row_state = layer.seen, layer.capacity, dict(layer.row_state)
+        new.rope_pos = None
+        new.last_slot = torch.zeros(b, h, 1, dtype=torch.long, device=layer.keys.device)
+        return new
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write one step's key/value ``(B, H, 1, D)`` into the first free slot (a scatter, in place)."""
+        if key_states.shape[-2] != 1:
+            raise NotImplementedError("engine.compile decodes one token per step")
+        if self.keys.shape[1] > key_states.shape[1]:  # a query-head-granular cache (DynamicKV's official layout)
+            rep = self.keys.shape[1] // key_states.shape[1]
+            key_states = key_states.repeat_interleave(rep, dim=1)
+            value_states = value_states.repeat_interleave(rep, dim=1)
+        slot = torch.argmax((~self.valid).to(torch.int8), dim=-1, keepdim=True)  # (B, H, 1): the first free slot
+        index = slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1])
+        self.keys.scatter_(2, index, key_states)
+        self.values.scatter_(2, index, value_states)
+        self.positions.scatter_(-1, slot, torch.full_like(slot, self.seen))
+        self.valid.scatter_(-1, slot, torch.ones_like(slot, dtype=torch.bool))
+        if "acc" in self.state:
+            self.state["acc"].scatter_(-1, slot, torch.zeros_like(slot, dtype=self.state["acc"].dtype))
+        self.last_slot = slot
+        self.seen += 1
+        return self.keys, self.values
+
+    def assign_positions(self, positions: torch.Tensor) -> None:
+        """The step's position ``(B, 1, 1)`` (from the model's ``position_ids``) at the slot it was written to."""
+        self.positions.scatter_(-1, self.last_slot, positions.expand_as(self.last_slot))
+
+    def resident_bytes(self) -> int:
+        """Every slot is allocated, occupied or not: the honest number for a fixed-capacity cache."""
+        return super().resident_bytes()
+
+    def valid_counts(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+    def set_valid(self, valid: torch.Tensor | None) -> None:
+        self.valid = valid
+
+
+def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                acc: torch.Tensor | None, capacity: torch.Tensor, query: torch.Tensor, scaling: float, evict: str,
+                sinks: int, recent: int) -> torch.Tensor:
+    """One layer's decode step on a static layer: attention of ``query`` ``(B, Hq, 1, D)`` over the valid slots of
+    ``keys``/``values`` ``(B, Hkv, C, D)``, ``acc`` += the step's probabilities (mean over each GQA group), then, where
+    a (row, head) holds more than ``capacity`` ``(B, 1, 1)`` entries, the eviction of one (its ``valid`` bit cleared).
+    Returns the output ``(B, 1, Hq, D)``. Pure tensor code without host reads or data-dependent shapes: compiled once
+    by ``torch.compile(fullgraph=True)``."""
+    b, hq, q, d = query.shape
+    hkv = keys.shape[1]
+    qg = query.view(b, hkv, hq // hkv, q, d)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * scaling
+    logits = logits.masked_fill(~valid.view(b, hkv, 1, 1, -1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, d)
+    if acc is not None:
+        acc.add_(probs.sum(3).mean(2))
+    if evict != "none":
+        newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
+        candidate = valid & (positions >= sinks)
+        if evict == "score":
+            candidate = candidate & (positions <= newest - recent)
+            key = acc.masked_fill(~candidate, float("inf"))
+        else:  # the oldest entry after the sinks
+            key = positions.masked_fill(~candidate, torch.iinfo(positions.dtype).max)
+        victim = torch.argmin(key, dim=-1, keepdim=True)  # (B, H, 1)
+        over = valid.sum(-1, keepdim=True) > capacity  # a prompt within the budget keeps growing up to it
+        valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)
+    return out.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def compiled_step(backend: str | None, mode: str | None):
+    """``static_step`` compiled once per (backend, mode) for the process: sessions share the graphs."""
+    options = {"backend": backend} if backend is not None else {"mode": mode}
+    return torch.compile(static_step, fullgraph=True, **options)
+

@@ -1,0 +1,122 @@
+"""Plan one job: validate the composed config and build the key its results are stored under. Never loads a model or
+data, so a sweep of hundreds of jobs is checked in milliseconds (``kvbench.sweep`` plans with it too)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.budget import Budget
+from kvbench.errors import ConfigError, NotAvailableError
+
+
+@dataclass
+class Job:
+    """A fully validated job: everything needed to run it, nothing loaded yet."""
+
+    cfg: DictConfig
+    budget: Budget
+    method: Any
+    task: Any
+    spec: Any
+    key: dict[str, Any]
+    parts: tuple[str, str, str, str]
+
+    @property
+    def budget_label(self) -> str:
+        return self.parts[3]
+
+
+def plan_job(cfg: DictConfig) -> Job:
+    """Validate the composed config and build the job key. Never loads a model or data."""
+    from kvbench.engine.architecture import SLIDING_POLICIES
+    from kvbench.engine.options import POSITION_MODES
+    from kvbench.methods import build_method
+    from kvbench.models import spec_from_config
+    from kvbench.tasks import build_task
+
+    budget = Budget.parse(cfg.budget)
+    method_cfg = OmegaConf.to_container(cfg.method, resolve=True)
+    if method_cfg.get("name") == "fullkv":
+        budget = Budget("full", float("inf"))
+    missing, method, task = [], None, None
+    try:
+        method = build_method(method_cfg, budget)
+    except NotAvailableError as exc:
+        missing.append(str(exc).split("; implemented")[0])
+    try:
+        task = build_task(OmegaConf.to_container(cfg.task, resolve=True))
+    except NotAvailableError as exc:
+        missing.append(str(exc).split("; implemented")[0])
+    if missing:  # say everything that is missing at once, not one piece per attempt
+        raise NotAvailableError(" and ".join(missing))
+    spec = spec_from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    # a ratio resolves per prompt: one below the method's minimum even on the model's longest prompt (the protocol's
+    # truncation length, or the context window a task's truncate_to may reach) is below it on every prompt it
+    # compresses; the session checks each prompt's own length
+    longest = max(spec.max_input_tokens or 0, spec.context_length)
+    method.check_resolved_budget(budget, longest,
+                                 f"even on the longest prompt model {spec.name!r} takes ({longest} tokens)")
+    if method.requires_cuda:
+        _check_cuda_method(method.name, spec)
+    if cfg.position_mode not in POSITION_MODES:
+        raise ConfigError(f"position_mode={cfg.position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
+    sliding_layers = cfg.get("sliding_layers", "auto")
+    if sliding_layers not in SLIDING_POLICIES:
+        raise ConfigError(f"sliding_layers={sliding_layers!r} is not valid; valid: {', '.join(SLIDING_POLICIES)}")
+    for name in ("batch_size", "seed"):
+        value = cfg[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "batch_size" else 0):
+            raise ConfigError(f"{name}={value!r} must be an integer >= {1 if name == 'batch_size' else 0}")
+    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
+        raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null")
+    if cfg.batch_size > 1 and not method.supports_batching:
+        raise ConfigError(f"method {method.name!r} is defined per sequence; use batch_size=1 (got {cfg.batch_size})")
+    label = method.budget_label(budget) or budget.label()  # POD's window, not the unused budget, names its jobs
+    model_key = {k: v for k, v in asdict(spec).items() if k not in ("device", "notes")}
+    key = {
+        "kvbench_result_format": 1,
+        "model": model_key,
+        "method": method.describe(),
+        "budget": label,
+        "task": {**task.protocol(), "fields": _task_fields(task)},
+        "position_mode": cfg.position_mode,
+        # the default (auto) is left out of the key: results stored before the option existed keep their hash
+        **({"sliding_layers": sliding_layers} if sliding_layers != "auto" else {}),
+        **({"engine_compile": True} if _engine_compile(cfg) else {}),  # one slot more per layer: other bytes
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+    }
+    return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, label))
+
+
+def _check_cuda_method(method: str, spec: Any) -> None:
+    """A method that moves KV between host and GPU (``requires_cuda``) refuses a model that would run elsewhere."""
+    from kvbench.models import resolve_device
+
+    device = resolve_device(spec.device)
+    if device != "cuda":
+        why = "torch sees no CUDA device here" if spec.device == "auto" else f"model.device={spec.device!r}"
+        raise NotAvailableError(
+            f"method {method!r} needs the model on a CUDA device (it offloads KV to host memory and prefetches it "
+            f"on a side CUDA stream); model {spec.name!r} would run on {device!r} ({why}); run it on a GPU machine "
+            "with model.device=auto or cuda"
+        )
+
+
+def _task_fields(task: Any) -> dict[str, Any]:
+    import dataclasses
+
+    if not dataclasses.is_dataclass(task):
+        return {}
+    return {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name != "data_dir"}
+
+
+def _engine_compile(cfg: DictConfig) -> bool:
+    value = (cfg.get("engine") or {}).get("compile", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"engine.compile={value!r} must be true or false")
+    return value
+

@@ -1,0 +1,234 @@
+"""Run (or resume, or skip) one planned job: load the model, run the samples not yet recorded batch by batch, append
+each record as it finishes, then write the scores and the meta. The command line (``kvbench.run``), the sweep worker
+and the tests call ``run_job``; it never calls them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.errors import DataError, KVBenchError
+from kvbench.jobs.plan import Job, plan_job
+from kvbench.jobs.records import job_meta, job_meta_end, job_scores, resolved_config
+
+log = logging.getLogger("kvbench")
+
+
+def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
+    """Run (or resume, or skip) one job; returns its scores.
+
+    ``loaded``: None loads the job's model here; a LoadedModel, or a callable ``spec -> LoadedModel`` (the sweep
+    worker's model cache), shares a model that is already in memory. Timings never include the load."""
+    import torch
+    from tqdm import tqdm
+
+    from kvbench.store import JobDir
+
+    job = plan_job(cfg)
+    results_dir = Path(cfg.paths.results_dir)
+    jobdir = JobDir(results_dir, job.parts, job.key)
+    done_scores = jobdir.finished_scores(cfg.limit)
+    if done_scores is not None:
+        log.info("finished already: %s", jobdir.path)
+        _print_table(cfg, job, done_scores, jobdir, skipped=True)
+        return done_scores
+
+    from kvbench.engine import CompressionSession
+
+    torch.manual_seed(cfg.seed)
+    job.task.prepare_data()  # a missing download fails here, before the model loads
+    with jobdir:
+        shared = loaded is not None
+        try:
+            loaded = _obtain_model(job.spec, loaded)
+            samples = job.task.samples(loaded.tokenizer)
+        except KVBenchError:  # a model or data refused while loading: no empty job directory is left behind
+            jobdir.discard_if_empty()
+            raise
+        if cfg.limit is not None:
+            samples = samples[: cfg.limit]
+        records = jobdir.read_records(repair=True)
+        done = {r["id"] for r in records}
+        todo = [s for s in samples if s.id not in done]
+        jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key, "resolved": resolved_config(cfg)})))
+        meta = job_meta(job, jobdir.hash, loaded, cfg, started=time.time())
+        meta["model"]["shared_load"] = shared  # loaded once by a sweep worker for several jobs (its record has it)
+        jobdir.write_meta(meta)
+        bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget_label}",
+                   unit="sample", disable=None)
+        def new_session() -> CompressionSession:
+            return CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode,
+                                      sliding_layers=cfg.get("sliding_layers", "auto"),
+                                      compile=bool((cfg.get("engine") or {}).get("compile", False)))
+
+        strict = bool(cfg.get("strict", False))
+        jobdir.clear_errors()
+        try:
+            for start in range(0, len(todo), cfg.batch_size):
+                batch = todo[start : start + cfg.batch_size]
+                try:
+                    done_records = _run_batch(job, batch, loaded, new_session)
+                except (KVBenchError, torch.OutOfMemoryError):
+                    raise  # the user's input or the machine: the whole job stops (a sweep records it)
+                except Exception as exc:
+                    if strict:
+                        raise
+                    done_records = []
+                    for sample in batch:  # isolate the failing sample(s): a batch's rows are retried alone once
+                        try:
+                            if len(batch) == 1:
+                                raise exc
+                            done_records += _run_batch(job, [sample], loaded, new_session)
+                        except (KVBenchError, torch.OutOfMemoryError):
+                            raise
+                        except Exception as row_exc:
+                            log.error("sample %s failed: %s: %s", sample.id, type(row_exc).__name__, row_exc)
+                            jobdir.append_error(_sample_error(sample, row_exc))
+                            bar.update(1)
+                for record in done_records:
+                    _append(jobdir, record)
+                    bar.update(1)
+        except KVBenchError:
+            jobdir.discard_if_empty()  # stopped before its first record: nothing is stored (earlier records stay)
+            raise
+        bar.close()
+        records = [r for r in jobdir.read_records() if r["id"] in {s.id for s in samples}]
+        scores = job_scores(job, records, samples, cfg)
+        errors = jobdir.read_errors()
+        scores["n_failed"] = len(errors)
+        scores["failed_ids"] = [e["id"] for e in errors]
+        if errors:
+            log.error("%d sample(s) failed (ids in scores.json, causes in %s); the scores cover the others and a "
+                      "rerun retries them", len(errors), jobdir.errors_path)
+        meta.update(job_meta_end(loaded, records, finished=time.time()))
+        jobdir.write_meta(meta)
+        jobdir.write_scores(scores)
+    _log_wandb(cfg, job, scores, records, meta)
+    _print_table(cfg, job, scores, jobdir, skipped=False)
+    return scores
+
+
+def _obtain_model(spec: Any, loaded: Any) -> Any:
+    """The job's model: loaded here, taken from the caller's model cache, or the caller's loaded model."""
+    from kvbench.models import load_model
+
+    if loaded is None:
+        return load_model(spec)
+    if callable(loaded):
+        return loaded(spec)
+    if loaded.spec != spec:
+        raise ValueError(f"the model passed in is {loaded.spec.name!r} but the job needs {spec.name!r} ({spec})")
+    return loaded
+
+
+def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any) -> list[dict[str, Any]]:
+    """Records of one batch: the task's own evaluation, or generation then scoring."""
+    from kvbench.engine import greedy_generate
+    from kvbench.tasks.encoding import decode_prediction, encode_sample
+
+    custom = job.task.evaluate(batch, loaded, new_session)  # perplexity / loglikelihood tasks
+    if custom is not None:
+        return [{**_RECORD_DEFAULTS, "batch_size": len(batch), **record} for record in custom]
+    prompts = [encode_sample(job.task, s, loaded.tokenizer, job.spec) for s in batch]
+    limits = [job.task.max_new_tokens_for(s) for s in batch]
+    should_stop = _stop_checker([job.task.stop_strings_for(s) for s in batch], limits, loaded.tokenizer)
+    with new_session() as sess:
+        out = greedy_generate(loaded.model, prompts, max(limits), loaded.eos_token_ids,
+                              loaded.tokenizer.pad_token_id, should_stop)
+    stats = sess.stats
+    records = []
+    for row, sample in enumerate(batch):
+        raw = decode_prediction(job.task, out.tokens[row], loaded.tokenizer, sample)
+        prediction = job.task.postprocess(raw, sample)
+        record = {
+            "id": sample.id,
+            "prediction": prediction,
+            "raw_prediction": raw,
+            "answers": sample.answers,
+            "score": job.task.score(prediction, sample),
+            "meta": sample.meta,
+            "prompt_tokens": len(prompts[row]),
+            "new_tokens": len(out.tokens[row]),
+            "prefill_seconds": out.prefill_seconds / len(batch),
+            "decode_seconds": out.decode_seconds / len(batch),
+            "decode_steps": out.decode_steps,
+            "batch_size": len(batch),
+            "resident_kv_bytes": stats.resident_kv_bytes_after_prefill // len(batch),
+            "resident_kv_bytes_final": out.resident_kv_bytes_final // len(batch),
+            "layer_entries": stats.layer_entries_after_prefill,
+            "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
+        }
+        method_stats = job.method.sample_stats(row)
+        if method_stats:
+            record["method_stats"] = method_stats
+        records.append(record)
+    return records
+
+
+def _sample_error(sample: Any, exc: BaseException) -> dict[str, Any]:
+    import traceback
+
+    return {"id": sample.id, "error": f"{type(exc).__name__}: {exc}",
+            "traceback": "".join(traceback.format_exception(exc)[-6:]), "time": time.time()}
+
+
+def _append(jobdir: Any, record: dict[str, Any]) -> None:
+    """Append a record; a full disk is the user's problem to fix, said in one line (earlier records are intact)."""
+    import errno
+
+    try:
+        jobdir.append_record(record)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"no space left on the device writing {jobdir.samples_path}; the records written "
+                            "before are intact, free space and run the job again to resume") from None
+        raise
+
+
+_RECORD_DEFAULTS = {
+    "prediction": "", "answers": [], "prompt_tokens": 0, "new_tokens": 0, "prefill_seconds": 0.0,
+    "decode_seconds": 0.0, "decode_steps": 0, "resident_kv_bytes": 0, "resident_kv_bytes_final": 0,
+    "layer_entries": [], "attended_tokens_mean": 0.0,
+}
+
+
+def _stop_checker(stops: list[list[str]], limits: list[int], tokenizer: Any):
+    """A row stops at its own token limit, or once its last few tokens decode to text containing one of its stop
+    strings (rows of a batch may come from sub-datasets with different protocols)."""
+
+    def should_stop(row: int, tokens: list[int]) -> bool:
+        if len(tokens) >= limits[row]:
+            return True
+        return bool(stops[row]) and any(stop in tokenizer.decode(tokens[-8:]) for stop in stops[row])
+
+    return should_stop
+
+
+def _log_wandb(cfg: DictConfig, job: Job, scores: dict, records: list[dict], meta: dict) -> None:
+    if cfg.logger.name != "wandb":
+        return
+    from kvbench.loggers import log_job_to_wandb
+
+    log_job_to_wandb(cfg, job, scores, records, meta)
+
+
+def _print_table(cfg: DictConfig, job: Job, scores: dict, jobdir: Any, skipped: bool) -> None:
+    if not cfg.print_table:
+        return
+    ms = scores.get("decode_ms_per_token")
+    rows = [
+        ("method", "budget", "task", scores.get("metric", "score"), "resident KV bytes", "prefill s", "decode ms/tok"),
+        (scores["method"], scores["budget"], scores["task"], f"{scores['score']:.2f}",
+         f"{scores['resident_kv_bytes_mean']:,.0f}", f"{scores['prefill_seconds_mean']:.2f}",
+         "-" if ms is None else f"{ms:.1f}"),
+    ]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    note = " (finished earlier; skipped)" if skipped else ""
+    header = f"\n{job.spec.name}: {scores['n_samples']} samples{note}\n"
+    print(header + "\n".join(lines) + f"\nresults: {jobdir.path}\n")

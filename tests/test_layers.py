@@ -1,0 +1,135 @@
+"""Data flows one way: the import graph of kvbench/ (read with ast, nothing executed) has no cycle and none of the
+arrows that run against the layers: CLI -> jobs/sweep -> (methods, tasks) -> engine/models -> store/metrics/budget.
+
+Every import counts, also those inside functions and under ``TYPE_CHECKING``: a type the method contract names from
+the engine's session is still a dependency of the contract on the session. ``from package import module`` is an edge
+to the module (how Python resolves it), not to the package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PACKAGE = ROOT / "kvbench"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The kvbench modules ``path`` imports (resolving relative imports and ``from pkg import submodule``)."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names if alias.name.split(".")[0] == "kvbench"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            if base.split(".")[0] != "kvbench":
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in modules else base)
+    return {m for m in out if m in modules and m != me}
+
+
+@functools.cache
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_cycle():
+    assert _cycles(_graph()) == []
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+FORBIDDEN = [
+    # (importer package, imported package, why)
+    ("kvbench.sweep", "kvbench.run", "the sweep runs jobs through kvbench.jobs, never the command line"),
+    ("kvbench.bench", "kvbench.run", "the bench is its own command line"),
+    ("kvbench.jobs", "kvbench.run", "the job runner sits below the command line"),
+    ("kvbench.methods", "kvbench.models", "a method never loads a model"),
+    ("kvbench.methods", "kvbench.engine.session", "the method contract owns its types (no session)"),
+    ("kvbench.methods", "kvbench.analysis", "methods read measurements as data (a block map path), never run them"),
+    ("kvbench.report", "kvbench.models", "a table never runs a model"),
+    ("kvbench.report", "kvbench.engine", "a table never runs a model"),
+    ("kvbench.report", "kvbench.analysis", "the report reads what analysis wrote"),
+    ("kvbench.engine.attention", "kvbench.engine.session", "the session uses the attention function, not back"),
+    ("kvbench.tasks.base", "kvbench.tasks.encoding", "the task contract sits below prompt encoding"),
+    ("kvbench.store", "kvbench.jobs", "the store is below the job runner"),
+]
+
+
+@pytest.mark.parametrize(("importer", "imported", "why"), FORBIDDEN)
+def test_no_arrow_runs_against_the_layers(importer, imported, why):
+    graph = _graph()
+    bad = sorted(f"{src} -> {dst}" for src, dsts in graph.items() if _under(src, importer)
+                 for dst in dsts if _under(dst, imported))
+    assert not bad, f"{why}: {bad}"
+
+
+def test_scripts_never_import_the_command_line():
+    modules = _modules()
+    bad = [p.name for p in (ROOT / "scripts").rglob("*.py") if "kvbench.run" in _imports(p, modules)]
+    assert not bad
+
+
+def test_the_checks_see_real_arrows():
+    """The walker finds what it must: a function-level import, a TYPE_CHECKING import, ``from pkg import module``."""
+    graph = _graph()
+    assert "kvbench.engine.session" in graph["kvbench.jobs.runner"] or "kvbench.engine" in graph["kvbench.jobs.runner"]
+    assert "kvbench.engine.cache" in graph["kvbench.methods.base"]  # under TYPE_CHECKING
+    assert "kvbench.tasks.pg19.data" in graph["kvbench.tasks.pg19.task"]
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
