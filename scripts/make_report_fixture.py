@@ -45,10 +45,10 @@ def sanitize(results: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
+    from kvbench.analysis.layer_similarity import measure
     from kvbench.config import CONF_DIR
+    from kvbench.jobs import run_job
     from kvbench.models import load_model, spec_from_config
-    from kvbench.report.similarity import measure
-    from kvbench.run import run_job
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "results")

@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 
+from kvbench.analysis.layer_similarity import filter_similarity
 from kvbench.errors import ConfigError
 from kvbench.report import names
 from kvbench.report.cli import main as report_main
@@ -29,7 +30,7 @@ from kvbench.report.ours import Lookup, Target
 from kvbench.report.paper import load_raw
 from kvbench.report.render import to_csv, to_frame, to_latex, to_markdown
 from kvbench.report.runs import groups, runs_table
-from kvbench.report.similarity import filter_ability, filter_similarity
+from kvbench.report.similarity import filter_ability
 from kvbench.report.specs import Derived, get_spec, load_specs, select_specs
 from kvbench.report.store import load_runs, method_label, records
 from kvbench.report.tables import build_table
@@ -259,6 +260,27 @@ def test_ours_and_delta_and_retention_from_a_store(tmp_path):
     assert any("needs post-training; ours: POD-TF" in r.label for r in pod.rows)
 
 
+def test_resident_kv_beside_our_numbers_in_every_table(tmp_path):
+    lb = {"variant": "longbench"}
+    mib = 2**20
+    write_job(tmp_path, "toy", "longbench", {"name": "fullkv"}, "full",
+              {"datasets": {"qasper": 30.0}, "score": 30.0, "resident_kv_bytes_mean": 64 * mib}, lb)
+    write_job(tmp_path, "toy", "longbench", h2o(variant="prefill_only"), "128",
+              {"datasets": {"qasper": 20.0}, "score": 20.0, "resident_kv_bytes_mean": 6 * mib}, lb)
+    write_job(tmp_path, "toy", "pg19", {"name": "fullkv"}, "full",
+              {"score": 23.0, "resident_kv_bytes_mean": 0.5 * mib, "resident_kv_bytes_final_mean": 45 * mib})
+    runs = load_runs(tmp_path)
+    frame = to_frame(build_table(get_spec("DynamicKV", "Table 1"), runs, ours_models={"LlaMA-3-8B-Instruct": "toy"}))
+    llama = frame[frame["Model"] == "LlaMA-3-8B-Instruct"]
+    kv = dict(zip(llama["kvbench"], llama["kvbench KV MiB"]))
+    assert kv["fullkv @ full"] == "64.0" and kv["h2o[variant=prefill_only] @ 128"] == "6.0"
+    assert frame.loc[frame["Model"] == "Qwen2-7B-Instruct", "kvbench KV MiB"].eq("").all()  # no run of ours
+    pg19 = runs_table(runs, "toy", "pg19")  # PG-19 streams through decoding: the cache at the end is what it kept
+    assert list(pg19.columns[-5:]) == ["KV MiB", "KV MiB at end", "prefill s", "decode ms/tok", "run"]
+    assert list(pg19["KV MiB at end"]) == ["45.000"]
+    assert "KV MiB at end" not in runs_table(runs, "toy", "longbench").columns
+
+
 def test_runs_of_one_task_with_different_protocols_are_kept_apart(tmp_path):
     """needle and needle_chat are both task "needle": their tables and figures must not mix."""
     write_job(tmp_path, "m", "needle", {"name": "fullkv"}, "full", {"score": 1.0}, {"chat_template": True})
@@ -286,6 +308,66 @@ def test_lookup_prefers_the_exact_variant_then_more_samples(tmp_path):
     assert lookup.get(Target("m", {"name": "h2o"}, "128"), "trec")[0] == 4.0  # more samples among exact matches
     assert lookup.get(Target("m", {"name": "h2o"}, "64"), "trec") == (None, None)
     assert method_label(h2o(variant="prefill_only", chunk=512)) == "h2o[variant=prefill_only]"
+
+
+def test_method_labels_compare_with_the_resolved_defaults():
+    """A field whose default None resolves by variant is recorded resolved in a run's key: not a non-default field."""
+    resolved = {"name": "dynamickv", "granularity": "kv_head", "count_remainder": False, "schedule": "paper",
+                "score_dtype": "float32", "allocation_arithmetic": "exact"}
+    assert method_label(resolved) == "dynamickv"
+    assert method_label({**resolved, "schedule": "official_code"}) == "dynamickv[schedule=official_code]"
+    old_d2o = {"name": "d2o", "allocation": "variance_softmax", "beta": 0.7, "variance_norm": "zscore"}
+    assert method_label(old_d2o) == "d2o[allocation=variance_softmax,variance_norm=zscore]"
+
+
+# ---- runs that never compressed (the transformers 5.24 rename ran every method as FullKV) ---------------------------
+def write_measured_job(root: Path, method: str, budget: str, kept: int, transformers: str = "5.24.0") -> Path:
+    """A job whose two records kept ``kept`` of their 300 prompt tokens in every layer, with its meta.json."""
+    recs = [{"id": f"s{i}", "prompt_tokens": 300, "layer_entries": [kept] * 4, "attended_tokens_mean": kept + 2.0,
+             "resident_kv_bytes": kept * 1024, "score": 1.0} for i in range(2)]
+    path = write_job(root, "toy", "passkey", {"name": method}, budget, {"score": 1.0}, recs=recs)
+    kind, value = ("full", float("inf")) if budget == "full" else ("tokens", int(budget))
+    meta = {"versions": {"transformers": transformers}, "method": {"name": method}, "model": {"layers": 4},
+            "budget": {"kind": kind, "value": value, "label": budget}}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def uncompressed_store(root: Path) -> Path:
+    """FullKV, a SnapKV run that compressed, and an H2O run that kept the whole prompt (the one to leave out)."""
+    write_measured_job(root, "fullkv", "full", 300)
+    write_measured_job(root, "snapkv", "64", 64)
+    return write_measured_job(root, "h2o", "64", 300)
+
+
+def test_load_runs_leaves_out_uncompressed_runs_unless_asked(tmp_path, capsys):
+    skipped = uncompressed_store(tmp_path).relative_to(tmp_path).as_posix()
+    assert list(load_runs(tmp_path)["method"]) == ["fullkv", "snapkv"]
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"warning: skipping {skipped}: h2o at budget 64 kept every prompt token in every layer")
+    assert "(transformers 5.24.0)" in warning and warning.endswith("(--include-uncompressed keeps it)")
+    assert list(load_runs(tmp_path, include_uncompressed=True)["method"]) == ["fullkv", "h2o", "snapkv"]
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("command", ["tables", "figures", "all"])
+def test_report_commands_leave_out_uncompressed_runs_unless_asked(tmp_path, capsys, command):
+    store, out = tmp_path / "store", tmp_path / "out"
+    uncompressed_store(store)
+    argv = [command, "--results", str(store), "--out", str(out)]
+    argv += {"tables": ["--tables", "DynamicKV:1"], "all": ["--paper-tables", "none"]}.get(command, [])
+    assert report_main(argv) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: skipping")]
+    assert len(warnings) == 1 and "h2o at budget 64" in warnings[0]
+    if command == "all":
+        assert "2 finished runs." in (out / "README.md").read_text()
+        assert "h2o" not in (out / "tables" / "runs_toy_passkey.csv").read_text()
+    assert report_main([*argv, "--include-uncompressed"]) == 0
+    assert "warning: skipping" not in capsys.readouterr().err
+    if command == "all":
+        index = (out / "README.md").read_text()
+        assert "3 finished runs." in index and "--paper-tables none --include-uncompressed`" in index
+        assert "h2o" in (out / "tables" / "runs_toy_passkey.csv").read_text()
 
 
 # ---- the committed fixture store (tiny-random runs: scripts/make_report_fixture.py) -----------------------------
@@ -383,7 +465,7 @@ def test_a_live_tiny_job_is_read_by_the_report(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from kvbench.config import CONF_DIR
-    from kvbench.run import run_job
+    from kvbench.jobs import run_job
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["model=tiny-random", "method=dynamickv", "budget=48", "task=2stageretr",

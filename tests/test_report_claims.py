@@ -1,79 +1,190 @@
-"""kvbench.report.claims: each claim kind on a hand-built set of runs, verdicts and numbers computed by hand."""
+"""kvbench.report.claims: every claim kind on hand-built runs whose answer is known (per-sample records, paired on
+the sample id), the verdict rules of the module docstring, the resident KV beside every comparison, the file."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pandas as pd
 import pytest
+import yaml
 
-from kvbench.report.claims import claims_markdown, evaluate, load_claims, pct_fullkv, write_claims
+from kvbench.report.claims import Evidence, claims_markdown, evaluate, load_claims, resident_kv_bytes, write_claims
 
-# (task, method, budget, score); FullKV: needle 10, passkey 80 (so % FullKV = score * 10 and score * 1.25)
-RUNS = [
-    ("needle", "fullkv", "full", 10.0), ("passkey", "fullkv", "full", 80.0),
-    ("needle", "a", "64", 5.0), ("needle", "a", "128", 8.0),
-    ("passkey", "a", "64", 40.0), ("passkey", "a", "128", 80.0),
-    ("needle", "b", "64", 6.0), ("needle", "b", "128", 7.0),
-    ("passkey", "b", "64", 20.0), ("passkey", "b", "128", 72.0),
-    ("needle", "pod", "window16+48", 9.0), ("passkey", "pod", "window16+48", 60.0),
-    ("2stageretr", "fullkv", "full", 0.0),
-]
+N = 20  # samples per task
+MIB = 2**20
 
 
-def _runs() -> pd.DataFrame:
-    return pd.DataFrame([{"model": "m", "task": t, "protocol": "", "method": m, "budget": b, "score": s}
-                         for t, m, b, s in RUNS])
+def _run(task: str, method: str, budget: str, scores: list[float], kv: float = 4 * MIB, ids: list[str] | None = None,
+         datasets: list[str] | None = None, label: str | None = None) -> dict:
+    ids = ids or [f"{task}-{i}" for i in range(len(scores))]
+    recs = [{"id": i, "score": s, **({"meta": {"dataset": d}} if datasets else {})}
+            for i, s, d in zip(ids, scores, datasets or [None] * len(scores))]
+    return {"model": "m", "task": task, "protocol": "", "method": method, "method_label": label or method,
+            "budget": budget, "score": sum(scores) / len(scores), "path": "", "records": recs,
+            "scores": {"resident_kv_bytes_mean": kv}}
 
 
-def test_pct_fullkv_skips_tasks_without_a_positive_fullkv():
-    table = pct_fullkv(_runs(), "m")
-    assert table[("needle", "a", "64")] == 50.0 and table[("passkey", "b", "128")] == 90.0
-    assert not any(task == "2stageretr" for task, _, _ in table)
+def _evidence(*runs: dict) -> Evidence:
+    return Evidence(pd.DataFrame(list(runs)), "m")
 
 
-def test_compare_per_budget_with_the_mean_over_tasks():
-    claim = {"kind": "compare", "budgets": [64, 128, 512], "better": "a", "than": ["b"]}
-    r64, r128, r512 = evaluate(claim, _runs(), "m", ["needle", "passkey"])
-    # 64: a = (50 + 50) / 2 = 50, b = (60 + 25) / 2 = 42.5; a loses on needle alone
-    assert r64 == {"budget": 64, "numbers": "a 50.0 vs b 42.5", "tasks": "1/2", "verdict": "held"}
-    # 128: a = (80 + 100) / 2 = 90, b = (70 + 90) / 2 = 80
-    assert r128["numbers"] == "a 90.0 vs b 80.0" and r128["tasks"] == "2/2" and r128["verdict"] == "held"
-    assert r512["verdict"] == "not run"
-    reverse = evaluate({**claim, "better": "b", "than": ["a"], "budgets": [64]}, _runs(), "m", ["needle", "passkey"])
-    assert reverse[0]["verdict"] == "did not hold" and reverse[0]["tasks"] == "1/2"
-    lower = evaluate({**claim, "better": "b", "than": ["a"], "budgets": [64], "lower_is_better": True}, _runs(), "m",
-                     ["needle", "passkey"])  # perplexity-like: b's 42.5 % of FullKV is "better" than a's 50 %
-    assert lower[0]["verdict"] == "held" and lower[0]["tasks"] == "1/2"
+def _base() -> list[dict]:
+    """FullKV solves both tasks (1.0 and 8.0 per sample); ``good`` equals it, ``bad`` scores 0, ``half`` gets every
+    other sample, ``copy`` is ``half`` again, ``few`` beats ``bad`` on 3 samples only."""
+    out = []
+    for task, full in (("t1", 1.0), ("t2", 8.0)):
+        out += [_run(task, "fullkv", "full", [full] * N, kv=32 * MIB),
+                _run(task, "good", "64", [full] * N), _run(task, "bad", "64", [0.0] * N),
+                _run(task, "half", "64", [full * (i % 2) for i in range(N)]),
+                _run(task, "copy", "64", [full * (i % 2) for i in range(N)], kv=8 * MIB),
+                _run(task, "few", "64", [full] * 3 * (task == "t1") + [0.0] * (N - 3 * (task == "t1")))]
+    return out
+
+
+def _one(claim: dict, *runs: dict, tasks=("t1", "t2")):
+    (verdict,) = evaluate(claim, _evidence(*(runs or _base())), list(tasks))
+    return verdict
+
+
+def _p(text: str) -> float:
+    return 0.0 if text == "<0.001" else float(text)
+
+
+def test_clear_positive_held_identical_inconclusive_clear_negative_did_not_hold():
+    held = _one({"kind": "compare", "budgets": [64], "better": "good", "than": ["bad"]})
+    assert held.verdict == "held" and _p(held.rows[0].p) < 0.01
+    assert held.rows[0].values == "100.0 [100.0, 100.0] vs 0.0 [0.0, 0.0]" and held.rows[0].delta.startswith("+100.0")
+    same = _one({"kind": "compare", "budgets": [64], "better": "half", "than": ["copy"]})
+    assert same.verdict == "inconclusive" and same.rows[0].p == "1.000" and same.rows[0].delta.startswith("0.0 ")
+    worse = _one({"kind": "compare", "budgets": [64], "better": "bad", "than": ["good"]})
+    assert worse.verdict == "did not hold" and _p(worse.rows[0].p) < 0.01
+    assert worse.rows[0].n == "40 (2 tasks)"
+
+
+def test_a_difference_on_three_samples_is_inconclusive():
+    """``few`` beats ``bad`` on 3 of 40 samples, all in the same direction: mean +7.5 % of FullKV, but the exact
+    sign-flip test gives p = 2 / 2**3 = 0.25 (a plain comparison of the means would have said "held")."""
+    row = _one({"kind": "compare", "budgets": [64], "better": "few", "than": ["bad"]})
+    assert row.verdict == "inconclusive" and row.rows[0].p == "0.250"
+    assert row.rows[0].values.startswith("7.5 [")
+
+
+def test_holm_over_the_rivals_and_the_combined_verdict():
+    row = _one({"kind": "compare", "budgets": [64], "better": "half", "than": ["bad", "good", "copy"]})
+    verdicts = [r.verdict for r in row.rows]
+    assert verdicts == ["held", "did not hold", "inconclusive"] and row.verdict == "did not hold"
+    # 20 non-zero differences of one sign each: Monte Carlo p = 1 / 10,001, times 3 and 2 by Holm
+    assert [r.p for r in row.rows] == ["<0.001", "<0.001", "1.000"]
+    assert _one({"kind": "compare", "budgets": [64], "better": "good", "than": ["bad", "half"]}).verdict == "held"
+
+
+def test_lower_is_better_flips_the_direction():
+    row = _one({"kind": "compare", "budgets": [64], "better": "bad", "than": ["good"], "lower_is_better": True})
+    assert row.verdict == "held" and row.rows[0].summary.startswith("vs good +100.0 (p")
+
+
+def test_resident_kv_beside_the_numbers_and_the_bytes_note():
+    row = _one({"kind": "compare", "budgets": [64], "better": "copy", "than": ["bad"]})
+    assert row.rows[0].kv == "8.0 vs 4.0" and row.rows[0].note == "keeps 2.0x bad's bytes"
+    assert row.notes == ["copy keeps 2.0x bad's bytes"]
+    assert _one({"kind": "compare", "budgets": [64], "better": "good", "than": ["copy"]}).rows[0].note == ""
+    assert resident_kv_bytes({"resident_kv_bytes_mean": 1.0, "resident_kv_bytes_final_mean": 5.0}) == 5.0
+    assert resident_kv_bytes({"resident_kv_bytes_mean": 3}) == 3.0 and resident_kv_bytes({}) is None
+
+
+def test_near_full_compares_the_interval_with_the_threshold():
+    claim = {"kind": "near_full", "budgets": [64], "at_least": 95}
+    good = _one({**claim, "method": "good"})
+    assert good.verdict == "held" and good.rows[0].values == "100.0 [100.0, 100.0]"
+    assert good.rows[0].note == "keeps 12 % of FullKV's bytes"
+    assert _one({**claim, "method": "half"}).verdict == "did not hold"
+    noisy = [_run("t1", "fullkv", "full", [1.0] * N), _run("t1", "m9", "64", [1.0] * (N - 1) + [0.0])]
+    near = _one({**claim, "method": "m9"}, *noisy, tasks=["t1"])  # 95 %: the interval straddles the threshold
+    assert near.verdict == "inconclusive" and near.rows[0].values.startswith("95.0 [")
+
+
+def test_monotone():
+    runs = [_run("t1", "fullkv", "full", [1.0] * N),
+            *[_run("t1", "up", b, [1.0] * k + [0.0] * (N - k)) for b, k in (("64", 0), ("128", 10), ("512", 20))],
+            *[_run("t1", "flat", b, [1.0] * 10 + [0.0] * 10) for b in ("64", "128", "512")],
+            *[_run("t1", "down", b, [1.0] * k + [0.0] * (N - k)) for b, k in (("64", 0), ("128", 20), ("512", 0))]]
+    claim = {"kind": "monotone", "budgets": [64, 128, 512], "methods": ["up", "flat", "down"]}
+    up, flat, down = evaluate(claim, _evidence(*runs), ["t1"])
+    assert (up.budget, up.verdict) == ("up 64/128/512", "held")
+    assert up.rows[0].values == "0.0 [0.0, 0.0] -> 50.0 [30.0, 70.0] -> 100.0 [100.0, 100.0]"
+    assert flat.verdict == "inconclusive" and flat.rows[0].p == "1.000; steps 1.000, 1.000"
+    assert down.verdict == "did not hold"  # +100 then -100: a significant decrease at the larger budget
+
+
+def test_pairing_on_sample_ids_and_dataset_strata():
+    # the method lacks sample 0: only the 19 shared samples count
+    runs = [_run("t1", "fullkv", "full", [1.0] * N), _run("t1", "a", "64", [1.0] * N),
+            _run("t1", "b", "64", [0.0] * (N - 1), ids=[f"t1-{i}" for i in range(1, N)])]
+    row = _one({"kind": "compare", "budgets": [64], "better": "a", "than": ["b"]}, *runs, tasks=["t1"])
+    assert row.rows[0].n == "19 (1 task)"
+    # a benchmark of two datasets (4 and 16 samples) is the mean of the datasets' means
+    ds = ["x"] * 4 + ["y"] * 16
+    runs = [_run("lb", "fullkv", "full", [2.0] * 4 + [1.0] * 16, datasets=ds),
+            _run("lb", "a", "64", [2.0] * 4 + [0.0] * 16, datasets=ds), _run("lb", "b", "64", [0.0] * N, datasets=ds)]
+    evidence = _evidence(*runs)
+    assert evidence.full["lb"] == pytest.approx(1.5)
+    row = _one({"kind": "compare", "budgets": [64], "better": "a", "than": ["b"]}, *runs, tasks=["lb"])
+    assert row.rows[0].values.startswith("66.7 [")  # (100 % on x + 0 % on y of FullKV's 1.5) = (2/1.5)/2
+
+
+def test_missing_runs_and_fullkv_solves():
+    assert _one({"kind": "compare", "budgets": [512], "better": "good", "than": ["bad"]}).verdict == "not run"
+    runs = [*_base(), _run("retr", "fullkv", "full", [0.0] * 6)]
+    (solves,) = evaluate({"kind": "fullkv_solves", "tasks": ["retr"], "at_least": 50}, _evidence(*runs), [])
+    assert solves.verdict == "not testable here" and solves.rows[0].values == "FullKV retr = 0.00 (needs >= 50)"
+    # a task whose FullKV scores 0 is left out of every comparison
+    row = _one({"kind": "compare", "budgets": [64], "better": "good", "than": ["bad"]}, *runs,
+               tasks=["t1", "t2", "retr"])
+    assert row.rows[0].n == "40 (2 tasks)"
 
 
 def test_templated_labels_pod_window():
-    claim = {"kind": "compare", "budgets": [64], "better": "pod@window16+{r}", "than": ["a"]}
-    (row,) = evaluate(claim, _runs(), "m", ["needle", "passkey"])
-    assert row["numbers"] == "pod 82.5 vs a 50.0" and row["verdict"] == "held"  # (90 + 75) / 2
+    runs = [_run("t1", "fullkv", "full", [1.0] * N), _run("t1", "pod", "window16+48", [1.0] * N),
+            _run("t1", "a", "64", [0.0] * N)]
+    row = _one({"kind": "compare", "budgets": [64], "better": "pod@window16+{r}", "than": ["a"]}, *runs,
+               tasks=["t1"])
+    assert row.verdict == "held" and row.rows[0].compared == "pod vs a"
 
 
-def test_near_full_monotone_and_fullkv_solves():
-    near = evaluate({"kind": "near_full", "budgets": [128], "method": "b", "at_least": 85}, _runs(), "m",
-                    ["needle", "passkey"])
-    assert near[0]["numbers"] == "b 80.0 % (>= 85)" and near[0]["tasks"] == "1/2"
-    assert near[0]["verdict"] == "did not hold"
-    mono = evaluate({"kind": "monotone", "budgets": [64, 128], "methods": ["a", "b"]}, _runs(), "m", ["needle"])
-    assert [r["numbers"] for r in mono] == ["50.0 -> 80.0", "60.0 -> 70.0"] and {r["verdict"] for r in mono} == {"held"}
-    (solves,) = evaluate({"kind": "fullkv_solves", "tasks": ["2stageretr"], "at_least": 50}, _runs(), "m", [])
-    assert solves["verdict"] == "not testable here" and solves["numbers"] == "FullKV 2stageretr = 0.00"
+def _write_store(root: Path) -> None:
+    for run in _base():
+        path = root / "runs" / "m" / run["task"] / run["method"] / run["budget"] / "abc"
+        path.mkdir(parents=True)
+        (path / "config.yaml").write_text(yaml.safe_dump({"key": {"method": {"name": run["method"]}}}))
+        (path / "scores.json").write_text(json.dumps({**run["scores"], "model": "m", "task": run["task"],
+                                                      "method": run["method"], "budget": run["budget"],
+                                                      "score": run["score"], "n_samples": N}))
+        (path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run["records"]))
 
 
 def test_markdown_and_file(tmp_path):
+    from kvbench.report.store import load_runs
+
+    _write_store(tmp_path)
     (tmp_path / "claims.yaml").write_text(
-        "model: m\ntasks: [needle, passkey]\nclaims:\n"
-        "  - {paper: P, claim: a beats b, kind: compare, budgets: [64, 128], better: a, than: [b]}\n")
-    path = write_claims(tmp_path, _runs(), tmp_path / "report")
+        "model: m\ntasks: [t1, t2]\nclaims:\n"
+        "  - {paper: P, claim: good beats bad, kind: compare, budgets: [64], better: good, than: [bad]}\n"
+        "  - {paper: P, claim: few beats bad, kind: compare, budgets: [64], better: few, than: [bad]}\n")
+    runs = load_runs(tmp_path)
+    path = write_claims(tmp_path, runs, tmp_path / "report")
     text = path.read_text()
-    assert "| P | a beats b |  | 64 | a 50.0 vs b 42.5 | 1/2 | **held** |" in text
-    assert "|  |  |  | 128 |" in text and "Rows: held 2." in text
-    # the summary: % FullKV averaged over needle and passkey; POD's window16+48 is its 64-token column
-    assert "| method | 64 | 128 |" in text and "| a | 50.0 | 90.0 |" in text and "| pod | 82.5 |  |" in text
-    assert text == claims_markdown(load_claims(tmp_path / "claims.yaml"), _runs())
-    assert write_claims(tmp_path / "report", _runs(), tmp_path / "x") is None  # no claims.yaml: nothing
+    assert "| P | good beats bad |  | 64 | vs bad +100.0 (p <0.001) | **held** |" in text
+    assert "| P | few beats bad |  | 64 | vs bad +7.5 (p 0.250) | **inconclusive** |" in text
+    assert "| P | 64 | good vs bad | 100.0 [100.0, 100.0] vs 0.0 [0.0, 0.0] | +100.0 [+100.0, +100.0] | <0.001 | " \
+           "40 (2 tasks) | 4.0 vs 4.0 | held |" in text
+    assert "Verdicts: held 1, inconclusive 1." in text
+    # the summary: % FullKV [interval] · resident MiB per method and budget
+    assert "| good | 100.0 [100.0, 100.0] · 4.0 |" in text and "FullKV keeps 32.0 MiB" in text
+    spec = load_claims(tmp_path / "claims.yaml")
+    assert text == claims_markdown(spec, Evidence(runs, "m", tmp_path))  # deterministic
+    assert write_claims(tmp_path / "report", runs, tmp_path / "x") is None  # no claims.yaml: nothing
 
 
 def test_unknown_kind_names_the_valid_ones(tmp_path):

@@ -9,7 +9,9 @@ Modules, one concern each:
 * ``ours``: which run answers a paper cell;
 * ``tables``: a paper table with paper / recomputed / ours / Δ cells; ``runs``: experiment-agnostic run tables;
 * ``render``: Markdown, LaTeX and CSV; ``figures``: PNG/PDF figures; ``similarity``: OmniKV's layer similarity;
-* ``cli``: ``python -m kvbench.report`` (``tables``, ``figures``, ``all``, ``check``, ``similarity``).
+* ``stats``: paired bootstrap intervals and the sign-flip test; ``claims``: a result set's ``claims.yaml`` verdicts;
+* ``readme`` + ``readme.yaml``: the READMEs' generated blocks (methods, tasks, the CPU miniature's verdicts);
+* ``cli``: ``python -m kvbench.report`` (``tables``, ``figures``, ``all``, ``check``, ``similarity``, ``readme``).
 
 In a notebook::
 

@@ -6,12 +6,18 @@
     python -m kvbench.report figures --results results --out results/report/figures
     python -m kvbench.report all --results results/cpu_miniature --out results/cpu_miniature/report
     python -m kvbench.report check                              # printed averages vs the papers' own rules
-    python -m kvbench.report similarity --model smollm2-135m --out results/analysis/omnikv_similarity_smollm2-135m.json
+    python -m kvbench.report readme [--check]   # the READMEs' generated tables (kvbench/report/readme.py)
+    python -m kvbench.report similarity ...   # moved to python -m kvbench.analysis.layer_similarity (forwarded)
 
 ``--results`` defaults to ``$KVBENCH_RESULTS_DIR`` or ``<repo>/results``. ``all`` writes ``<out>/README.md`` (the run
 tables inline, links to every file), ``<out>/tables/`` (``runs_<model>_<task>`` and the paper tables that have at
 least one of our numbers, each as ``.md``, ``.tex``, ``.csv``) and ``<out>/figures/`` (PNG + PDF). The same inputs give
-byte-identical Markdown and CSV.
+byte-identical files wherever they are written (the README's regeneration line names ``<results>/report``, relative
+to the repository root), so a report regenerated into a temporary directory equals the committed one.
+
+Runs whose records show that their method never compressed (FullKV numbers under the method's name, as every run had
+while transformers 5.24's cache keyword rename went unnoticed) are left out of tables and figures, with one warning
+line each on stderr; ``--include-uncompressed`` keeps them.
 """
 
 from __future__ import annotations
@@ -83,25 +89,29 @@ def write_run_tables(runs, out: Path) -> list[tuple[str, Path, str]]:
     return written
 
 
-def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables: str = "with_ours") -> Path:
+def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables: str = "with_ours",
+            include_uncompressed: bool = False) -> Path:
     """Tables + figures + an index README for one results directory (experiment-agnostic)."""
     from kvbench.report.claims import write_claims
     from kvbench.report.figures import make_figures
     from kvbench.report.specs import load_specs
     from kvbench.report.store import load_runs
 
-    runs = load_runs(results)
+    runs = load_runs(results, include_uncompressed=include_uncompressed)
     tables_dir, figures_dir = out / "tables", out / "figures"
     run_tables = write_run_tables(runs, tables_dir)
     paper = write_paper_tables(load_specs(), runs, tables_dir, ours_models,
                                only_with_ours=paper_tables == "with_ours") if paper_tables != "none" else []
     figures = make_figures(results, figures_dir, runs)
     claims = write_claims(results, runs, out)
-    command = f"python -m kvbench.report all --results {results.as_posix()} --out {out.as_posix()}"
+    shown = _shown(results)  # the same line wherever this copy is written: a report says how to rebuild itself
+    command = f"python -m kvbench.report all --results {shown} --out {shown}/report"
     command += "".join(f" --ours-model {k + '=' if k != '*' else ''}{v}" for k, v in sorted(ours_models.items()))
     if paper_tables != "with_ours":
         command += f" --paper-tables {paper_tables}"
-    lines = [f"# Report: {results.as_posix()}", "", f"Regenerate: `{command}`", "", f"{len(runs)} finished runs.", ""]
+    if include_uncompressed:
+        command += " --include-uncompressed"
+    lines = [f"# Report: {shown}", "", f"Regenerate: `{command}`", "", f"{len(runs)} finished runs.", ""]
     if claims is not None:  # the results directory's claims.yaml, evaluated (kvbench/report/claims.py)
         lines += ["## Claims", "", claims.read_text(encoding="utf-8").split("\n", 2)[2].strip(), "",
                   f"(`{claims.relative_to(out).as_posix()}`)", ""]
@@ -124,6 +134,16 @@ def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables:
     return index
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository root when inside it (``results/cpu_miniature``), else as given."""
+    from kvbench.config import project_root
+
+    try:
+        return path.resolve().relative_to(Path(project_root()).resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
 def check(paper_dir: Path | None = None) -> int:
     """Re-aggregate every paper table from its own cells; print the printed numbers that do not follow."""
     from kvbench.report.specs import load_specs
@@ -144,11 +164,16 @@ def check(paper_dir: Path | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("tables", "figures", "all", "check", "similarity")
-    if argv[:1] == ["similarity"]:
-        from kvbench.report.similarity import main as similarity_main
+    commands = ("tables", "figures", "all", "check", "similarity", "readme")
+    if argv[:1] == ["readme"]:  # its own options (kvbench/report/readme.py)
+        from kvbench.report.readme import main as readme_main
 
-        similarity_main(argv[1:])
+        return readme_main(argv[1:])
+    if argv[:1] == ["similarity"]:  # moved: the measurement runs a model, the report only reads what it wrote
+        import runpy
+
+        sys.argv = ["python -m kvbench.analysis.layer_similarity", *argv[1:]]
+        runpy.run_module("kvbench.analysis.layer_similarity", run_name="__main__")  # forwarding alias, one release
         return 0
     if not argv or argv[0] not in commands and argv[0] not in ("-h", "--help"):
         argv = ["tables", *argv]
@@ -161,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=helps[name])
         p.add_argument("--results", type=Path, default=None, help="results directory (holds runs/)")
         p.add_argument("--out", type=Path, default=None, help="output directory (tables: stdout when omitted)")
+        p.add_argument("--include-uncompressed", action="store_true",
+                       help="keep runs whose records show the method never compressed (FullKV numbers under its "
+                            "name); by default they are left out with a warning each")
         if name != "figures":
             p.add_argument("--ours-model", action="append", default=[], metavar="[PAPER_MODEL=]NAME",
                            help="take our numbers from this kvbench model (for every paper model, or one)")
@@ -172,28 +200,32 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--paper-tables", choices=("with_ours", "all", "none"), default="with_ours",
                            help="paper-layout tables to write (default: those with at least one number of ours)")
     sub.add_parser("check", help="recompute every printed average of the papers from their own cells")
-    sub.add_parser("similarity", help="OmniKV inter-layer similarity (python -m kvbench.report similarity -h)")
+    sub.add_parser("similarity", help="moved to python -m kvbench.analysis.layer_similarity (forwarded)")
+    sub.add_parser("readme", help="rewrite the READMEs' generated blocks from the registries and committed results "
+                                  "(--check: exit 1 when stale)")
     args = parser.parse_args(argv)
     try:
         if args.command == "check":
             return check()
         results = args.results or default_results()
+        from kvbench.report.store import load_runs
+
         if args.command == "figures":
             from kvbench.report.figures import make_figures
 
             out = args.out or results / "report" / "figures"
-            for path in make_figures(results, out):
+            runs = load_runs(results, include_uncompressed=args.include_uncompressed)
+            for path in make_figures(results, out, runs):
                 print(path)
             return 0
         ours = parse_ours_models(args.ours_model)
         if args.command == "all":
             out = args.out or results / "report"
-            print(run_all(results, out, ours, args.paper_tables))
+            print(run_all(results, out, ours, args.paper_tables, include_uncompressed=args.include_uncompressed))
             return 0
         from kvbench.report.specs import select_specs
-        from kvbench.report.store import load_runs
 
-        runs = load_runs(results)
+        runs = load_runs(results, include_uncompressed=args.include_uncompressed)
         written = write_paper_tables(select_specs(args.tables), runs, args.out, ours, paper_dir=args.paper_dir)
         if args.out is not None:
             print(f"{len(written)} tables -> {args.out}")

@@ -3,7 +3,10 @@
 * ``needle_<model>_<task>``: needle / passkey heatmaps, context length × depth, one panel per method and budget
   (``scores.json`` ``grid``; the papers' Kamradt-style colours, red = miss, green = hit);
 * ``budget_<model>_<task>_<tokens|ratio>``: score vs budget, one line per method, FullKV dashed (DynamicKV Table 2,
-  D2O Figure 5);
+  D2O Figure 5); each point with its 95 % interval over samples (error bars; FullKV's as a band), from the same
+  bootstrap as the claims (``kvbench.report.stats``: 10,000 resamples, fixed seed, a benchmark's datasets as strata),
+  in the metric's units (the interval of the samples' mean, scaled by ``score / mean``: exact where the score is the
+  mean of the samples', as for needle, passkey, RULER and LongBench);
 * ``layers_<model>_<task>_<budget>``: KV entries kept per layer after prefill (mean over samples; a ratio budget plots
   the fraction of the prompt), one line per method (DynamicKV Figure 2, D2O's allocation; records' ``layer_entries``);
 * ``layers_by_task_<model>_<method>_<budget>``: the same per LongBench dataset / task, when a method has several
@@ -11,7 +14,7 @@
 * ``variance_<model>_<task>_<budget>``: D2O's per-layer attention variance F_l (Figure 4; ``method_stats``);
 * ``ratios_<model>_<method>_<budget>``: KVMerger's per-layer kept ratio, each sample thin, mean thick (Figure 3b/9);
 * ``similarity_<model>``: OmniKV's inter-layer attention similarity map and filter ability per layer (Figures 1a, 8),
-  from ``<results>/analysis/*similarity*.json`` written by ``python -m kvbench.report similarity``;
+  from ``<results>/analysis/*similarity*.json`` written by ``python -m kvbench.analysis.layer_similarity``;
 * ``nll_<model>_<task>``: PG-19 cumulative mean NLL vs position, one line per method and budget (D2O Figure 6).
 
 PG-19 curve contract: the report takes ``scores.json``'s ``curve`` = ``{"positions": [k...], "cum_nll": [...]}``
@@ -31,6 +34,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.report import store
+from kvbench.report.stats import Strata, bootstrap, interval
 from kvbench.report.store import budget_order
 
 # one colour per method, stable across figures
@@ -153,9 +157,35 @@ def _kind(budget: str) -> str | None:
     return "ratio" if value < 1 else "tokens"
 
 
-def budget_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
+def score_interval(records: list[dict], score: float) -> tuple[float, float] | None:
+    """The 95 % bootstrap interval of a run's score over its samples (a benchmark's datasets as strata, as its
+    score averages them), in the score's units; None without per-sample scores."""
+    by: dict[str, list[float]] = {}
+    for record in records:
+        value = record.get("score")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            by.setdefault(str((record.get("meta") or {}).get("dataset") or ""), []).append(float(value))
+    if not by or not math.isfinite(score):
+        return None
+    data = Strata.of([[values] for _, values in sorted(by.items())])
+    mean = float(data.means()[0])
+    scale = score / mean if mean else 1.0
+    low, high = interval(bootstrap(data))
+    return float(low[0]) * scale, float(high[0]) * scale
+
+
+def budget_curves(runs: pd.DataFrame, out: Path, results_dir: Path | None = None) -> list[Path]:
+    """Score vs budget per (model, task, protocol); with ``results_dir``, every point's 95 % interval over samples."""
     plt = _plt()
     paths = []
+
+    def bars(rows: pd.DataFrame) -> list[tuple[float, float]] | None:
+        if results_dir is None:
+            return None
+        found = [score_interval(store.records(results_dir, r["path"]), float(r["score"]))
+                 for r in rows.to_dict("records")]
+        return [f if f is not None else (math.nan, math.nan) for f in found]
+
     for (model, task, protocol), group in runs.groupby(["model", "task", "protocol"], sort=True):
         full = group[group["method"] == "fullkv"]
         for kind in ("tokens", "ratio"):
@@ -167,15 +197,25 @@ def budget_curves(runs: pd.DataFrame, out: Path) -> list[Path]:
             for label, lines in part.groupby("_curve", sort=True):
                 lines = lines.assign(_x=lines["budget"].map(_budget_value)).sort_values(["_x", "hash"])
                 lines = lines.drop_duplicates("_x")
-                ax.plot(lines["_x"], lines["score"], marker=marker(label), label=_short(label), color=colour(label))
+                found = bars(lines)
+                yerr = None
+                if found is not None:
+                    yerr = [[max(0.0, y - lo) for y, (lo, _) in zip(lines["score"], found)],
+                            [max(0.0, hi - y) for y, (_, hi) in zip(lines["score"], found)]]
+                ax.errorbar(lines["_x"], lines["score"], yerr=yerr, marker=marker(label), label=_short(label),
+                            color=colour(label), capsize=2.5, elinewidth=0.8)
             if not full.empty:
                 ax.axhline(float(full["score"].iloc[0]), ls="--", color=colour("fullkv"), label="fullkv")
+                band = bars(full.iloc[:1])
+                if band is not None and all(map(math.isfinite, band[0])):
+                    ax.axhspan(band[0][0], band[0][1], color=colour("fullkv"), alpha=0.12, lw=0)
             if kind == "tokens":
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel("KV budget (tokens per layer)")
             else:
                 ax.set_xlabel("KV budget (fraction of the prompt)")
-            ax.set_ylabel(str(group["metric"].iloc[0]))
+            ci = "\n(bars: 95 % interval over samples)" if results_dir is not None else ""
+            ax.set_ylabel(f"{group['metric'].iloc[0]}{ci}")
             ax.set_title(f"{task}{f' ({protocol})' if protocol else ''}: {model}")
             ax.legend(fontsize=7, frameon=False, loc="center left", bbox_to_anchor=(1.0, 0.5))
             ax.grid(alpha=0.3)
@@ -403,7 +443,7 @@ def make_figures(results_dir: str | Path, out: str | Path, runs: pd.DataFrame | 
     paths: list[Path] = []
     if not runs.empty:
         paths += needle_heatmaps(runs, out)
-        paths += budget_curves(runs, out)
+        paths += budget_curves(runs, out, results_dir)
         paths += layer_allocations(runs, results_dir, out)
         paths += method_stat_figures(runs, results_dir, out)
         paths += nll_curves(runs, results_dir, out)

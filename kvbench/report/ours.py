@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from kvbench.report import names
-from kvbench.report.store import cfg_matches, non_default_fields
+from kvbench.report.store import cfg_matches, non_default_fields, resident_kv_bytes
 
 #: metrics that are measurements of time or memory, never compared with a quality score
 EFFICIENCY_WORDS = ("time", "latency", "memory", "throughput", "batch", "speedup", "duration", "saving",
@@ -75,6 +75,7 @@ class Lookup:
     def __init__(self, runs: pd.DataFrame):
         self.runs = runs
         self.ambiguous: list[str] = []
+        self._used: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # target -> the runs its cells came from
         self._groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
         for row in runs.to_dict("records"):
             self._groups.setdefault((row["model"], row["task"], row["method"], row["budget"]), []).append(row)
@@ -95,11 +96,22 @@ class Lookup:
             if value is None:
                 continue
             exact = set(non_default_fields(run["method_cfg"])) <= set(required)
-            candidates.append((not exact, -_support(run["scores"], path), run["hash"], value))
+            candidates.append((not exact, -_support(run["scores"], path), run["hash"], value, run))
         if not candidates:
             return None, None
         candidates.sort(key=lambda c: c[:3])
         best = candidates[0]
         if len(candidates) > 1 and candidates[1][:2] == best[:2]:
             self.ambiguous.append(f"{target.label} {column}: {len(candidates)} runs, took {best[2]}")
+        self._used.setdefault(self._key(target), {})[best[2]] = best[4]
         return best[3], best[2]
+
+    @staticmethod
+    def _key(target: Target) -> tuple[str, str]:
+        return target.model, f"{target.label} {sorted(target.task_fields.items())}"
+
+    def resident_kv(self, target: Target) -> float | None:
+        """Mean resident KV bytes of the runs that supplied ``target``'s cells so far (None when none recorded)."""
+        values = [resident_kv_bytes(run["scores"]) for run in self._used.get(self._key(target), {}).values()]
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None

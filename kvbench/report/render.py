@@ -1,8 +1,9 @@
 """Renderers: a ``PaperTable`` or a plain DataFrame as Markdown, LaTeX (booktabs) and CSV.
 
 The layout is the paper's: its rows in its order, its columns in its order. Where kvbench has numbers for the
-table, every column becomes three: the paper's value as printed, ours (same decimals) and Δ = ours − paper; without
-any, the paper's table is printed alone. A printed value that the paper's own rule does not reproduce carries a
+table, every column becomes three: the paper's value as printed, ours (same decimals) and Δ = ours − paper, and each
+row names the kvbench run configuration and its resident KV (MiB, mean over the runs behind the row); without any,
+the paper's table is printed alone. A printed value that the paper's own rule does not reproduce carries a
 ``*`` and a footnote. Output depends only on the inputs (no dates, no absolute paths), so reruns are byte-identical.
 """
 
@@ -48,6 +49,7 @@ def to_frame(table: PaperTable, with_ours: bool | None = None) -> pd.DataFrame:
     out: dict[str, list[str]] = {"Model": [], "Method": [], "Budget": []}
     if with_ours:
         out["kvbench"] = []
+        out["kvbench KV MiB"] = []
     headers = _headers(table.columns)
     for col in table.columns:
         out[headers[col.id]] = []
@@ -60,6 +62,8 @@ def to_frame(table: PaperTable, with_ours: bool | None = None) -> pd.DataFrame:
         out["Budget"].append(row.budget)
         if with_ours:
             out["kvbench"].append(row.target.label if row.target else "")
+            kv = table.kv.get(row.id)
+            out["kvbench KV MiB"].append(_num(kv / 2**20, 1) if kv is not None else "")
         for col in table.columns:
             cell = table.cell(row.id, col.id)
             mark = "*" if (row.id, col.id) in failed else ""
@@ -155,7 +159,7 @@ def to_latex(table: PaperTable) -> str:
     groups = None
     if table.has_ours:
         headers = _headers(table.columns)
-        fixed = 4
+        fixed = 5  # Model, Method, Budget, kvbench, kvbench KV MiB
         groups = [("", fixed)] + [(headers[c.id], 3) for c in table.columns]
         frame = frame.copy()
         frame.columns = list(frame.columns[:fixed]) + ["paper", "ours", "Δ"] * len(table.columns)

@@ -3,7 +3,8 @@
 Rows are the method configurations (``h2o[variant=prefill_only]``) × budgets that were run, FullKV first, budgets
 in increasing order; columns are the task's score, its "% of FullKV" (when the same model and task has a FullKV
 run), the task's parts (LongBench datasets, needle/passkey lengths averaged over depths, 2StageRetr dict sizes), the
-number of samples, resident KV after prefill (MiB, mean over samples), prefill seconds and decode ms/token, and the
+number of samples, resident KV after prefill (MiB, mean over samples; and at the end of generation where the task
+records it: PG-19 streams its text through decoding), prefill seconds and decode ms/token, and the
 job hash (the directory name under ``runs/``). This is what a CPU miniature reports; the paper-layout tables
 (``tables.py``) need the papers' models.
 """
@@ -53,6 +54,7 @@ def runs_table(runs: pd.DataFrame, model: str, task: str, protocol: str = "") ->
         for key in sub_scores(scores):
             if key not in parts:
                 parts.append(key)
+    at_end = any("resident_kv_bytes_final_mean" in scores for scores in sel["scores"])
     rows = []
     for run in sel.to_dict("records"):
         scores = run["scores"]
@@ -64,9 +66,13 @@ def runs_table(runs: pd.DataFrame, model: str, task: str, protocol: str = "") ->
         row["n"] = str(run["n_samples"])
         kv = scores.get("resident_kv_bytes_mean")
         row["KV MiB"] = _fmt(kv / 2**20 if isinstance(kv, (int, float)) else None, 3)
+        if at_end:
+            end = scores.get("resident_kv_bytes_final_mean")
+            row["KV MiB at end"] = _fmt(end / 2**20 if isinstance(end, (int, float)) else None, 3)
         row["prefill s"] = _fmt(scores.get("prefill_seconds_mean"), 3)
         row["decode ms/tok"] = _fmt(scores.get("decode_ms_per_token"), 1)
         row["run"] = run["hash"]
         rows.append(row)
-    columns = ["method", "budget", metric, "% FullKV", *parts, "n", "KV MiB", "prefill s", "decode ms/tok", "run"]
+    columns = ["method", "budget", metric, "% FullKV", *parts, "n", "KV MiB", *(["KV MiB at end"] if at_end else []),
+               "prefill s", "decode ms/tok", "run"]
     return pd.DataFrame(rows, columns=columns)

@@ -2,8 +2,10 @@
 
 A job directory (``kvbench.store``) is ``<results>/runs/<model>/<task>/<method>/<budget>/<hash12>/`` with
 ``config.yaml`` (``key``: what the hash covers), ``meta.json``, ``samples.jsonl`` and ``scores.json`` (written last:
-a job without it is unfinished and skipped here). ``load_runs`` reads ``config.yaml`` and ``scores.json`` only;
-``records`` and ``meta`` read the rest on demand (figures).
+a job without it is unfinished and skipped here). ``load_runs`` reads ``config.yaml`` and ``scores.json``, and
+``meta.json`` and ``samples.jsonl`` to leave out runs that never compressed (``kvbench.store.compression``: the
+transformers 5.24 rename ran every method as FullKV under its name) with one warning line each on stderr, unless
+``include_uncompressed``; ``records`` and ``meta`` read a run's files on demand (figures).
 
 Columns of ``load_runs``: ``model, task, variant`` (LongBench's ``longbench``/``longbench_e``), ``protocol`` (the task
 fields that differ between this model's runs of the task, e.g. ``chat_template=True`` for ``needle_chat`` beside
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ import pandas as pd
 import yaml
 
 from kvbench.store import canonical_json
+from kvbench.store.compression import uncompressed_reason
 
 RUN_COLUMNS = ["model", "task", "variant", "protocol", "method", "method_label", "budget", "metric", "score",
                "n_samples", "limit", "hash", "path", "method_cfg", "task_cfg", "scores"]
@@ -41,18 +45,26 @@ def job_dirs(results_dir: str | Path) -> list[Path]:
 
 @lru_cache(maxsize=64)
 def method_defaults(name: str) -> dict[str, Any] | None:
-    """The default fields of a registered method (None when kvbench does not implement it)."""
+    """The default fields of a registered method (None when kvbench does not implement it), as a default instance
+    holds them: a field whose default ``None`` means "by variant" (DynamicKV's ``schedule``, D2O's ``beta``) is
+    compared with what it resolves to, as a run's key records the resolved value."""
     from kvbench.methods import METHODS
 
     try:
         cls = METHODS.get_class(name)
     except Exception:  # a pending or unknown method: no defaults to compare with
         return None
+    try:
+        instance = cls()
+    except Exception:  # a method without defaults for every field: the declared ones
+        instance = None
     out = {}
     for f in dataclasses.fields(cls):
         if not f.init or f.name.startswith("_"):
             continue
-        if f.default is not dataclasses.MISSING:
+        if instance is not None:
+            out[f.name] = getattr(instance, f.name)
+        elif f.default is not dataclasses.MISSING:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             out[f.name] = f.default_factory()  # type: ignore[misc]
@@ -136,10 +148,14 @@ def budget_order(label: str) -> tuple[int, float, str]:
     return (0 if value < 1 else 1, value, label)
 
 
-def load_runs(results_dir: str | Path) -> pd.DataFrame:
-    """Every finished job under ``results_dir`` (empty frame with ``RUN_COLUMNS`` when there is none)."""
+def load_runs(results_dir: str | Path, include_uncompressed: bool = False) -> pd.DataFrame:
+    """Every finished job under ``results_dir`` (empty frame with ``RUN_COLUMNS`` when there is none). A run whose
+    records show its method never compressed is FullKV under the method's name: it is left out, with a warning line
+    on stderr naming why, unless ``include_uncompressed``."""
     root = Path(results_dir)
     rows = [r for r in (read_run(p, root) for p in job_dirs(root)) if r is not None]
+    if not include_uncompressed:
+        rows = [r for r in rows if not skip_uncompressed(root, r["path"])]
     frame = pd.DataFrame(rows, columns=RUN_COLUMNS)
     if frame.empty:
         return frame
@@ -147,6 +163,18 @@ def load_runs(results_dir: str | Path) -> pd.DataFrame:
     frame["_b"] = frame["budget"].map(budget_order)
     frame = frame.sort_values(["model", "task", "protocol", "method_label", "_b", "hash"], kind="stable")
     return frame.drop(columns="_b").reset_index(drop=True)
+
+
+def skip_uncompressed(results_dir: Path, path: str) -> bool:
+    """Whether the run at ``path`` ran uncompressed (``uncompressed_reason``); if so, says why on stderr. Unreadable
+    records or meta show nothing either way (``python -m kvbench.store verify`` reports them)."""
+    try:
+        reason = uncompressed_reason(meta(results_dir, path), records(results_dir, path))
+    except (OSError, ValueError):
+        return False
+    if reason is not None:
+        print(f"warning: skipping {path}: {reason} (--include-uncompressed keeps it)", file=sys.stderr)
+    return reason is not None
 
 
 def _protocols(frame: pd.DataFrame) -> pd.Series:
@@ -177,6 +205,16 @@ def sub_scores(scores: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def resident_kv_bytes(scores: dict[str, Any]) -> float | None:
+    """A run's resident KV bytes (mean over samples): at the end of generation where the task reports it (PG-19
+    streams its text through decoding, its prefill is one token), else after prefill; None when not recorded."""
+    for key in ("resident_kv_bytes_final_mean", "resident_kv_bytes_mean"):
+        value = scores.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
 def records(results_dir: str | Path, path: str) -> list[dict[str, Any]]:
     """The complete sample records of one job (``path`` as in ``load_runs``), a torn last line dropped."""
     file = Path(results_dir) / path / "samples.jsonl"
@@ -198,4 +236,4 @@ def cfg_matches(cfg: dict[str, Any], required: dict[str, Any]) -> bool:
 
 
 __all__ = ["RUN_COLUMNS", "budget_order", "canonical_json", "cfg_matches", "job_dirs", "load_runs", "meta",
-           "method_label", "non_default_fields", "records", "sub_scores"]
+           "method_label", "non_default_fields", "records", "resident_kv_bytes", "skip_uncompressed", "sub_scores"]

@@ -93,6 +93,8 @@ class PaperTable:
     cells: dict[tuple[str, str], Cell]
     checks: list[Check] = field(default_factory=list)
     footnotes: list[str] = field(default_factory=list)
+    #: row id -> mean resident KV bytes of the runs behind the row's numbers of ours
+    kv: dict[str, float] = field(default_factory=dict)
 
     @property
     def has_ours(self) -> bool:
@@ -282,6 +284,10 @@ def build_table(spec: TableSpec, runs: pd.DataFrame | None = None, paper_dir: Pa
             cells[(row.id, col.id)] = cell
 
     table = PaperTable(spec, caption, provenance, rows, columns, cells, checks)
+    for row in rows:
+        kv = lookup.resident_kv(row.target) if row.target is not None else None
+        if kv is not None:
+            table.kv[row.id] = kv
     if spec.delta_row:
         _delta_checks(table, spec.delta_row)
     if spec.degradation:

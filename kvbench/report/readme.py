@@ -1,0 +1,259 @@
+"""``python -m kvbench.report readme``: the READMEs' generated blocks, from the registries and the committed results.
+
+A generated block sits between ``<!-- kvbench:NAME -->`` and ``<!-- /kvbench:NAME -->``; the command rewrites what
+is between the markers and leaves every other line (the hand-written prose) alone. ``--check`` writes nothing and
+exits 1 naming each file whose blocks differ from what the command would write (``tests/test_readme.py`` runs it).
+
+Blocks:
+
+* ``methods``: one row per registered method (``kvbench.methods.METHODS``): its paper (the module docstring's
+  reference), its idea (the docstring's first paragraph), where it acts (the ``Method`` hooks its class overrides),
+  its defaults (``conf/method/<name>.yaml`` resolved by the class: what ``method=<name>`` runs) and the other
+  readings it offers (hand-written in ``readme.yaml``, every ``field=value`` checked by the tests);
+* ``tasks``: one row per group of task configs (``conf/task/``) with the registered task each names and its folder;
+  protocol and metric hand-written in ``readme.yaml``;
+* ``miniature-summary``, ``miniature-verdicts``, ``miniature-claims``: the CPU miniature's % of FullKV per method and
+  budget, its verdict table and a one-line-per-claim summary, evaluated from ``results/cpu_miniature`` (its
+  ``claims.yaml`` and committed runs) exactly as ``report/claims.md`` is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: the files holding generated blocks, relative to the repository root
+FILES = ("README.md", "results/cpu_miniature/README.md")
+MINIATURE = "results/cpu_miniature"
+DATA = Path(__file__).with_name("readme.yaml")
+MARKER = re.compile(r"<!-- kvbench:([a-z0-9-]+) -->\n(.*?)<!-- /kvbench:\1 -->", re.S)
+
+#: the method-contract hooks and what overriding each means for where a method acts
+HOOKS = {
+    "prefill_attend": "computes the prompt attention itself",
+    "prefill": "end of each layer's prefill",
+    "finish_prefill": "once after prefill, over all layers",
+    "select": "every decode step: selects what is attended",
+    "attend": "every decode step: computes the attention itself",
+    "decode": "after every decode step",
+    "observe_logits": "after every forward, from the logits",
+}
+
+
+def data() -> dict[str, Any]:
+    return yaml.safe_load(DATA.read_text(encoding="utf-8"))
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).replace("``", "`").replace("|", "\\|").split())
+
+
+def _docstring_parts(cls: type) -> tuple[str, str]:
+    """(idea, paper) from the method module's docstring: first paragraph without its ``Name:``, and the second
+    paragraph's ``Authors, "Title" (venue...)`` as ``Authors (venue)``."""
+    doc = (sys.modules[cls.__module__].__doc__ or "").strip()
+    paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+    idea = paragraphs[0] if paragraphs else ""
+    head, sep, rest = idea.partition(": ")
+    if sep and len(head) <= 30:
+        idea = rest[:1].upper() + rest[1:]
+    paper = ""
+    match = re.match(r'(.+?), "(.+?)" \((.+?)\)', paragraphs[1]) if len(paragraphs) > 1 else None
+    if match:
+        paper = f"{match[1]} ({match[3].split(';')[0].strip()})"
+    return idea, paper
+
+
+def acts(cls: type) -> str:
+    """Where a method acts: the hooks its class overrides, plus what it requires."""
+    from kvbench.methods.base import Method
+
+    parts = [text for hook, text in HOOKS.items() if getattr(cls, hook) is not getattr(Method, hook)]
+    if getattr(cls, "requires_training", False):
+        parts.append("needs trained weights")
+    if getattr(cls, "requires_cuda", False):
+        parts.append("CUDA only")
+    return "; ".join(parts) or "nothing (keeps everything)"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_value(v) for v in value) + "]"
+    return str(value)
+
+
+def defaults(name: str, root: Path) -> str:
+    """``conf/method/<name>.yaml`` as the class resolves it (what ``method=<name>`` runs), ``field=value`` each."""
+    from kvbench.methods import METHODS
+
+    conf = yaml.safe_load((root / "conf" / "method" / f"{name}.yaml").read_text(encoding="utf-8")) or {}
+    instance = METHODS.build(name, {k: v for k, v in conf.items() if k != "name"})
+    fields = [f.name for f in dataclasses.fields(instance) if f.init and not f.name.startswith("_")]
+    return ", ".join(f"`{f}={_value(getattr(instance, f))}`" for f in fields) or "—"
+
+
+def methods_block(root: Path) -> str:
+    from kvbench.methods import METHODS
+
+    entries = data()["methods"]
+    lines = ["| method | paper | idea | acts | defaults | other readings |", "|---|---|---|---|---|---|"]
+    for name in METHODS.entries:  # the registry's order: FullKV, the seed methods, then the baselines
+        cls = METHODS.get_class(name)
+        idea, paper = _docstring_parts(cls)
+        entry = entries.get(name) or {}
+        paper = entry.get("paper") or paper or "—"
+        lines.append(f"| `{name}` | {_cell(paper)} | {_cell(idea)} | {_cell(acts(cls))} | {defaults(name, root)} | "
+                     f"{_cell(entry.get('readings', '—'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def task_configs(root: Path) -> dict[str, str]:
+    """``{config name under conf/task: the registered task it names}`` (through the config's defaults list, as
+    ``needle_chat`` extends ``needle``)."""
+    folder = root / "conf" / "task"
+
+    def name_of(stem: str, seen: tuple[str, ...] = ()) -> str:
+        conf = yaml.safe_load((folder / f"{stem}.yaml").read_text(encoding="utf-8")) or {}
+        if "name" in conf:
+            return str(conf["name"])
+        for parent in conf.get("defaults") or []:
+            if isinstance(parent, str) and parent != "_self_" and parent not in seen:
+                return name_of(parent, (*seen, stem))
+        return stem
+
+    return {path.stem: name_of(path.stem) for path in sorted(folder.glob("*.yaml"))}
+
+
+def task_folder(task: str) -> str:
+    """The package folder of a registered task (``kvbench/tasks/needle/``)."""
+    from kvbench.tasks import TASKS
+
+    module = TASKS.entries[task].partition(":")[0].split(".")
+    return "/".join(module[:3]) + "/"
+
+
+def tasks_block(root: Path) -> str:
+    configs = task_configs(root)
+    lines = ["| task | protocol | metric | code and README |", "|---|---|---|---|"]
+    for row in data()["tasks"]:
+        names = []
+        for config in row["configs"]:
+            task = configs[config]
+            names.append(f"`{config}`" + (f" (task `{task}`)" if task != config else ""))
+        folders = sorted({task_folder(configs[c]) for c in row["configs"]})
+        lines.append(f"| {', '.join(names)} | {_cell(row['protocol'])} | {_cell(row['metric'])} | "
+                     f"{', '.join(f'`{f}`' for f in folders)} |")
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=4)
+def _miniature(root: Path) -> tuple[Any, Any, list]:
+    from kvbench.report.claims import Evidence, evaluate_all, load_claims
+    from kvbench.report.store import load_runs
+
+    results = root / MINIATURE
+    spec = load_claims(results / "claims.yaml")
+    evidence = Evidence(load_runs(results), spec["model"], results)
+    return spec, evidence, evaluate_all(spec, evidence)
+
+
+def miniature_summary(root: Path) -> str:
+    from kvbench.report.claims import summary_markdown
+
+    spec, evidence, _ = _miniature(root)
+    return "\n".join(summary_markdown(evidence, list(spec.get("tasks") or [])))
+
+
+def miniature_verdicts(root: Path) -> str:
+    from kvbench.report.claims import verdicts_markdown
+
+    return "\n".join(verdicts_markdown(_miniature(root)[2])) + "\n"
+
+
+def miniature_claims(root: Path) -> str:
+    """One line per claim: its verdict per budget (``monotone``: how many methods got each verdict)."""
+    lines = []
+    for claim, verdicts in _miniature(root)[2]:
+        if claim["kind"] == "monotone":
+            by: dict[str, list[str]] = {}
+            for v in verdicts:
+                by.setdefault(v.verdict, []).append(v.budget.split()[0])
+            said = "; ".join(f"{k} for {len(m)} of {len(verdicts)}" + (f" ({', '.join(m)})" if len(m) <= 3 else "")
+                             for k, m in sorted(by.items(), key=lambda kv: -len(kv[1])))
+        else:
+            said = ", ".join(f"{v.budget}: {v.verdict}" for v in verdicts)
+        lines.append(f"* **{claim['paper']}**, {claim['claim']}: {said}.")
+    return "\n".join(lines) + "\n"
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {
+    "methods": methods_block,
+    "tasks": tasks_block,
+    "miniature-summary": miniature_summary,
+    "miniature-verdicts": miniature_verdicts,
+    "miniature-claims": miniature_claims,
+}
+
+
+def render(text: str, root: Path) -> str:
+    """``text`` with every generated block rewritten (an unknown block name is an error)."""
+    def replace(match: re.Match) -> str:
+        name = match[1]
+        if name not in BLOCKS:
+            raise ValueError(f"unknown generated block {name!r}; known: {', '.join(BLOCKS)}")
+        body = BLOCKS[name](root)
+        return f"<!-- kvbench:{name} -->\n{body.rstrip()}\n<!-- /kvbench:{name} -->"
+
+    opened = re.findall(r"<!-- kvbench:([a-z0-9-]+) -->", text)
+    closed = re.findall(r"<!-- /kvbench:([a-z0-9-]+) -->", text)
+    if sorted(opened) != sorted(closed) or len(MARKER.findall(text)) != len(opened):
+        raise ValueError(f"unbalanced generated-block markers: opened {opened}, closed {closed}")
+    return MARKER.sub(replace, text)
+
+
+def stale(root: Path) -> list[str]:
+    """The files whose generated blocks differ from what ``render`` writes."""
+    return [f for f in FILES if (root / f).read_text(encoding="utf-8") != render((root / f).read_text("utf-8"), root)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvbench.config import project_root
+
+    parser = argparse.ArgumentParser(prog="python -m kvbench.report readme", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a generated block is stale")
+    parser.add_argument("--root", type=Path, default=None, help="repository root (default: this checkout)")
+    args = parser.parse_args(argv)
+    root = (args.root or Path(project_root())).resolve()
+    if args.check:
+        bad = stale(root)
+        for name in bad:
+            print(f"{name}: generated blocks are stale; run `python -m kvbench.report readme`", file=sys.stderr)
+        return 1 if bad else 0
+    for name in FILES:
+        path = root / name
+        text = path.read_text(encoding="utf-8")
+        new = render(text, root)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            print(f"updated {name}")
+        else:
+            print(f"unchanged {name}")
+    return 0
+
+
+__all__ = ["BLOCKS", "FILES", "acts", "data", "defaults", "main", "methods_block", "miniature_claims",
+           "miniature_summary", "miniature_verdicts", "render", "stale", "task_configs", "task_folder", "tasks_block"]
