@@ -17,7 +17,7 @@ the forward, i.e. before the next one, with a :class:`TokenLogits` that applies 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -210,12 +210,16 @@ class CompressionSession:
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
             if idx in self._method_index and not self.budget.is_full:
-                policy = self.method.static_policy(max(caps))
+                policy = self.method.static_policy(max(caps), self._method_index[idx])
             else:
                 policy = StaticPolicy()
             if spec.sliding and policy.evict == "none":  # the window: the oldest entry leaves past window - 1
                 policy, caps = StaticPolicy("oldest"), [spec.window - 1] * len(caps)
             extra = 1 if policy.evict != "none" else max(1, self._reserve)
+            if policy.select == "pages":  # whole pages of slots; a page budget the slots can hold
+                extra += -(layer.keys.shape[2] + extra) % policy.page_size
+                slots = (layer.keys.shape[2] + extra) // policy.page_size
+                policy = replace(policy, pages=min(policy.pages, slots + 1))
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate)
             self._cache.layers[idx] = self._layers[idx] = static
             capacity = torch.tensor(caps, device=static.keys.device).view(-1, 1, 1)
@@ -223,11 +227,15 @@ class CompressionSession:
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
         policy, capacity = self._static[idx]
-        out = self._static_step(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"),
-                                capacity, query, scaling, policy.evict, policy.sinks, policy.recent)
-        self.stats.attended_entries_sum += layer.valid.sum() // layer.valid[..., 0].numel() + (
-            1 if policy.evict != "none" else 0)  # the evicted entry was attended before it left
+        out, attended = self._static_step(
+            layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity, query, scaling,
+            policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg)
+        self.stats.attended_entries_sum += attended
         self.stats.decode_layer_calls += 1
+        if idx in self._method_index and not self._checked_decode:
+            self._first_step_attended.append(attended)
+        if not self._checked_decode and idx == self._last_attention_layer:
+            self._check_first_decode_step()
         return out, None
 
     # ---- compression is verified, never assumed -----------------------------------------------------------------

@@ -28,6 +28,8 @@ from kvbench.engine.cache import KVLayer
 
 #: what a method does at a decode step, in a form the static step can run
 EVICTIONS = ("none", "oldest", "score")
+#: which entries a step attends to: all valid ones, or Quest's critical pages
+SELECTIONS = ("none", "pages")
 
 
 @dataclass(frozen=True)
@@ -35,16 +37,27 @@ class StaticPolicy:
     """``evict``: ``none`` (prefill-only methods: appended tokens stay), ``oldest`` (StreamingLLM: the oldest entry
     after ``sinks`` leaves), ``score`` (H2O: the lowest accumulated attention outside the ``sinks`` first and the
     ``recent`` newest positions leaves). ``accumulate``: add each step's attention probabilities (mean over the GQA
-    group) to the entries' scores (H2O's running column sums, state ``acc``)."""
+    group) to the entries' scores (H2O's running column sums, state ``acc``). ``select="pages"`` (Quest, which never
+    evicts): the step attends only to the ``pages`` pages of ``page_size`` slots with the highest criticality bound
+    (the newest entry's page always among them; the KV group's bounds aggregated by ``group_agg``)."""
 
     evict: str = "none"
     sinks: int = 0
     recent: int = 0
     accumulate: bool = False
+    select: str = "none"
+    page_size: int = 1
+    pages: int = 0
+    group_agg: str = "max"
 
     def __post_init__(self) -> None:
         if self.evict not in EVICTIONS:
             raise ValueError(f"StaticPolicy.evict={self.evict!r}; valid: {', '.join(EVICTIONS)}")
+        if self.select not in SELECTIONS:
+            raise ValueError(f"StaticPolicy.select={self.select!r}; valid: {', '.join(SELECTIONS)}")
+        if self.select != "none" and self.evict != "none":
+            raise ValueError("StaticPolicy: a page selection runs on a cache that never evicts (slots in position "
+                             "order)")
 
 
 class StaticKVLayer(KVLayer):
@@ -106,19 +119,48 @@ class StaticKVLayer(KVLayer):
         self.valid = valid
 
 
+def page_selection(keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor, page_size: int, pages: int,
+                   group_agg: str) -> torch.Tensor:
+    """Quest's step on a static layer whose slots are in position order (nothing is evicted; slot ``i`` of a row holds
+    its ``i``-th entry): the slots ``(B, Hkv, C)`` of the ``pages - 1`` complete-or-partial pages with the highest
+    criticality bound ``Σ_c max(q_c m_c, q_c M_c)`` (``methods.quest.page_bounds``) among all but the newest entry's
+    page, plus that page. Per-page key minima / maxima are recomputed from the slots (no state; one pass over the
+    cache). With fewer pages than ``pages`` every valid page is chosen (Quest's dense step)."""
+    from kvbench.methods.quest import page_bounds
+
+    b, hkv, c, d = keys.shape
+    p = c // page_size
+    paged = keys.view(b, hkv, p, page_size, d)
+    slot_valid = valid.view(b, hkv, p, page_size)
+    empty = ~slot_valid.unsqueeze(-1)
+    mins = paged.masked_fill(empty, float("inf")).amin(3)
+    maxs = paged.masked_fill(empty, float("-inf")).amax(3)
+    bounds = page_bounds(query.view(b, hkv, -1, d), mins, maxs)  # (B, Hkv, g, P)
+    scores = bounds.amax(2) if group_agg == "max" else bounds.mean(2)
+    last = (valid.sum(-1, keepdim=True) - 1) // page_size  # (B, Hkv, 1): the newest entry's page
+    candidate = slot_valid.any(-1).scatter(-1, last, False)
+    scores = scores.masked_fill(~candidate, float("-inf"))  # also the NaNs of empty pages' infinite bounds
+    chosen = torch.zeros_like(candidate).scatter(-1, torch.topk(scores, pages - 1, dim=-1).indices, True)
+    chosen = chosen.scatter(-1, last, True)
+    return valid & chosen.repeat_interleave(page_size, dim=-1)
+
+
 def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                 acc: torch.Tensor | None, capacity: torch.Tensor, query: torch.Tensor, scaling: float, evict: str,
-                sinks: int, recent: int) -> torch.Tensor:
+                sinks: int, recent: int, select: str = "none", page_size: int = 1, pages: int = 0,
+                group_agg: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's decode step on a static layer: attention of ``query`` ``(B, Hq, 1, D)`` over the valid slots of
-    ``keys``/``values`` ``(B, Hkv, C, D)``, ``acc`` += the step's probabilities (mean over each GQA group), then, where
-    a (row, head) holds more than ``capacity`` ``(B, 1, 1)`` entries, the eviction of one (its ``valid`` bit cleared).
-    Returns the output ``(B, 1, Hq, D)``. Pure tensor code without host reads or data-dependent shapes: compiled once
-    by ``torch.compile(fullgraph=True)``."""
+    ``keys``/``values`` ``(B, Hkv, C, D)`` (those of the chosen pages with ``select="pages"``), ``acc`` += the step's
+    probabilities (mean over each GQA group), then, where a (row, head) holds more than ``capacity`` ``(B, 1, 1)``
+    entries, the eviction of one (its ``valid`` bit cleared). Returns the output ``(B, 1, Hq, D)`` and the entries
+    attended per (row, head), a device scalar. Pure tensor code without host reads or data-dependent shapes: compiled
+    once by ``torch.compile(fullgraph=True)``."""
     b, hq, q, d = query.shape
     hkv = keys.shape[1]
     qg = query.view(b, hkv, hq // hkv, q, d)
+    attended = valid if select == "none" else page_selection(keys, valid, query, page_size, pages, group_agg)
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * scaling
-    logits = logits.masked_fill(~valid.view(b, hkv, 1, 1, -1), float("-inf"))
+    logits = logits.masked_fill(~attended.view(b, hkv, 1, 1, -1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, d)
     if acc is not None:
@@ -133,8 +175,11 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
             key = positions.masked_fill(~candidate, torch.iinfo(positions.dtype).max)
         victim = torch.argmin(key, dim=-1, keepdim=True)  # (B, H, 1)
         over = valid.sum(-1, keepdim=True) > capacity  # a prompt within the budget keeps growing up to it
+        count = valid.sum() // valid[..., 0].numel()  # before the eviction: the victim was attended
         valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)
-    return out.transpose(1, 2).contiguous()
+    else:
+        count = attended.sum() // attended[..., 0].numel()
+    return out.transpose(1, 2).contiguous(), count
 
 
 @functools.cache

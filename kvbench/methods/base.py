@@ -94,11 +94,11 @@ class Method:
         """Refuse (ConfigError) a model on which this method would act on no layer: called when a session starts, with
         the number of layers it compresses (OmniKV's filter layers may cover them all). Default: nothing."""
 
-    def static_policy(self, capacity: int) -> StaticPolicy | None:
-        """This method's decode step, for a layer that keeps ``capacity`` entries, in the form ``engine.compile`` runs
-        (``engine.static``): None when it has none (its own attention, merging, per-step logits): ``engine.compile``
-        then refuses it. FullKV and every method that does nothing after prefill: ``StaticPolicy()`` (appended tokens
-        stay)."""
+    def static_policy(self, capacity: int, layer_idx: int = 0) -> StaticPolicy | None:
+        """This method's decode step, for its ``layer_idx``-th layer keeping ``capacity`` entries, in the form
+        ``engine.compile`` runs (``engine.static``): None when it has none (its own attention, merging, per-step
+        logits): ``engine.compile`` then refuses it. FullKV and every method that does nothing after prefill:
+        ``StaticPolicy()`` (appended tokens stay)."""
         if type(self).decode is Method.decode and type(self).select is Method.select and \
                 type(self).attend is Method.attend and not self.needs_logits:
             from kvbench.engine.static import StaticPolicy

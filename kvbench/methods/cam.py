@@ -170,7 +170,7 @@ class CaM(Method):
         keep_top(layer, torch.where(keep, float("inf"), float("-inf")), ctx.capacity)
 
     # ---- decode ----------------------------------------------------------------------------------------------------
-    def static_policy(self, capacity: int):
+    def static_policy(self, capacity: int, layer_idx: int = 0):
         """KVCache-Factory's reading does nothing after prefill; the paper's merges every step (no static form)."""
         from kvbench.engine.static import StaticPolicy
 

@@ -149,7 +149,7 @@ class H2O(Method):
                 return
         keep_top(layer, self._scores(layer, layer.state["acc"], ctx.capacity), ctx.capacity)
 
-    def static_policy(self, capacity: int):
+    def static_policy(self, capacity: int, layer_idx: int = 0):
         from kvbench.engine.static import StaticPolicy
 
         if self.variant != "paper":

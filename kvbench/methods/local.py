@@ -44,7 +44,7 @@ class LocalWindow(Method):
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)
 
-    def static_policy(self, capacity: int):
+    def static_policy(self, capacity: int, layer_idx: int = 0):
         from kvbench.engine.static import StaticPolicy
 
         return StaticPolicy("oldest")  # the window: the oldest entry leaves

@@ -116,6 +116,16 @@ class Quest(Method):
             maxs = torch.cat([maxs, tail.amax(2, keepdim=True)], dim=2)
         return mins, maxs
 
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """``engine.compile``: the same page choice inside the static step (``engine.static.page_selection``), with
+        page metadata recomputed from the slots; the first ``dense_layers`` layers attend to everything."""
+        from kvbench.engine.static import StaticPolicy
+
+        if layer_idx < self.dense_layers:
+            return StaticPolicy()
+        return StaticPolicy(select="pages", page_size=self.page_size, pages=capacity // self.page_size,
+                            group_agg=self.group_agg)
+
     # ---- engine hook ---------------------------------------------------------------------------------------------
     def select(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
         if self._budget is None or self._budget.is_full or ctx.layer_idx < self.dense_layers:

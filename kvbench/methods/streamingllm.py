@@ -89,7 +89,7 @@ class StreamingLLM(Method):
         to_query_heads(layer, ctx, self.granularity)
         keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)
 
-    def static_policy(self, capacity: int):
+    def static_policy(self, capacity: int, layer_idx: int = 0):
         from kvbench.engine.static import StaticPolicy
 
         return StaticPolicy("oldest", sinks=self.sink_size) if self.variant == "paper" else StaticPolicy()
