@@ -298,6 +298,7 @@ def test_job_without_cot(tmp_path):
     expected = score_records([{"prediction": r["prediction"], **{k: r["meta"][k] for k in
                                                                  ("answer", "difficulty", "length")}} for r in records])
     assert {k: scores[k] for k in expected} == expected
+    assert score_records(records) == expected  # the job's records as they are (answer, difficulty, length in meta)
 
 
 def test_cot_job_runs_both_requests(tmp_path, tokenizer):

@@ -9,7 +9,9 @@ counts as hard) and over ``short``, ``medium`` and ``long`` (every length that i
 long), each ``round(100 * sum / n, 1)``. A group with no sample is NaN here (result.py divides by zero).
 
 ``score_records`` re-scores predictions from any harness: records with ``answer`` (A-D), ``difficulty``, ``length``
-and ``prediction`` (the response; upstream's results files call it ``response``, accepted too).
+and ``prediction`` (the response; upstream's results files call it ``response``, accepted too; upstream's ``pred`` is
+the extracted letter and is not read). A kvbench job's ``samples.jsonl`` works as it is: ``answer``, ``difficulty``
+and ``length`` are read from each record's ``meta`` when not top-level.
 """
 
 from __future__ import annotations
@@ -76,10 +78,12 @@ def score_records(records: list[dict[str, Any]], compensated: bool = False) -> d
         response = record.get("prediction", record.get("response"))
         if not isinstance(response, str):
             raise DataError(f"{where}: needs a string 'prediction' (or upstream's 'response'); got {response!r:.80}")
-        for key in ("answer", "difficulty", "length"):
-            if not isinstance(record.get(key), str):
-                raise DataError(f"{where}: needs a string {key!r}; got {record.get(key)!r:.80}")
-        scored.append((judge(response, record["answer"], compensated), record["difficulty"], record["length"]))
+        meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+        fields = {key: record.get(key, meta.get(key)) for key in ("answer", "difficulty", "length")}
+        for key, value in fields.items():
+            if not isinstance(value, str):
+                raise DataError(f"{where}: needs a string {key!r} (top-level or in 'meta'); got {value!r:.80}")
+        scored.append((judge(response, fields["answer"], compensated), fields["difficulty"], fields["length"]))
     return summarize(scored)
 
 
