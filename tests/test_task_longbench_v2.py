@@ -139,6 +139,25 @@ def test_scores_are_result_pys(compensated):
         assert official == (50.0, 75.0, 25.0, 33.3, 50.0, 66.7)
 
 
+def test_cli_rescores_upstream_results_files(tmp_path, capsys):
+    """`python -m kvbench.score --benchmark longbench_v2` on a pred.py results file: the response is `response`
+    (its `pred`, the extracted letter, is not read), and the numbers are result.py's."""
+    from kvbench.score import main as score_main
+
+    responses = ["The correct answer is (C)", "The correct answer is (B)", "", "The correct answer is D"]
+    preds = _preds(responses, ROWS)
+    path = tmp_path / "Model.jsonl"
+    path.write_text("".join(json.dumps({**r, "_id": row["_id"], "context": row["context"][:1000]}) + "\n"
+                            for r, row in zip(preds, ROWS, strict=True)))
+    for extra, compensated in (([], False), (["--compensated"], True)):
+        assert score_main([str(path), "--benchmark", "longbench_v2", "--out", "-", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["score"], out["difficulty"]["easy"], out["difficulty"]["hard"], out["length"]["short"],
+                out["length"]["medium"], out["length"]["long"]) == official_result(preds, compensated)
+    assert score_main([str(path), "--benchmark", "longbench", "--compensated"]) == 2
+    assert "applies to --benchmark longbench_v2 only" in capsys.readouterr().err
+
+
 def _sample(task, row):
     return task.make_sample(row["_id"], row)
 
@@ -299,6 +318,11 @@ def test_job_without_cot(tmp_path):
                                                                  ("answer", "difficulty", "length")}} for r in records])
     assert {k: scores[k] for k in expected} == expected
     assert score_records(records) == expected  # the job's records as they are (answer, difficulty, length in meta)
+    from kvbench.score import main as score_main
+
+    samples = next(tmp_path.rglob("samples.jsonl"))
+    assert score_main([str(samples), "--benchmark", "longbench_v2", "--out", str(tmp_path / "s.json")]) == 0
+    assert {k: v for k, v in json.loads((tmp_path / "s.json").read_text()).items() if k in expected} == expected
 
 
 def test_cot_job_runs_both_requests(tmp_path, tokenizer):
