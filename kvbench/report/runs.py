@@ -18,7 +18,8 @@ output-length drift:
   ms/tok × FullKV's mean new tokens): a method that decodes each token faster but talks longer can lose end to end.
 
 A compressed method that drifts to longer (or shorter) answers changes both its score and its real cost; the score
-columns alone hide it.
+columns alone hide it. This is what a CPU miniature reports; the paper-layout tables (``tables.py``) need the papers'
+models.
 """
 
 from __future__ import annotations
