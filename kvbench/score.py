@@ -17,7 +17,8 @@ but ``context_length`` and ``depth`` (``dict_len`` for 2stageretr), top-level or
 Accepted as well: a kvbench job's ``samples.jsonl`` as it is (``dataset``, ``all_classes``, ``length``, ``options``,
 ``label``, and LEval's ``part`` and ``question_index`` are read from each record's ``meta``), and the official
 InfiniteBench results files ``preds_<task>.jsonl`` (``pred``/``prediction`` with ``label``/``ground_truth``; name the
-task with ``--dataset``).
+task with ``--dataset``), and LongBench v2's ``results/<model>.jsonl`` of ``pred.py`` (``response``, ``answer``,
+``difficulty``, ``length``; ``--benchmark longbench_v2``, ``--compensated`` for result.py's switch).
 
 Each benchmark package provides ``kvbench/tasks/<bench>/scoring.py`` with ``score_records(records) -> {"datasets":
 {name: score}, ...aggregates}``, loaded lazily; a benchmark whose module has not landed exits 2 with one line. Any
@@ -46,14 +47,19 @@ BENCHMARKS: dict[str, str] = {
     "ruler": "kvbench.tasks.ruler.scoring:score_records",
     "leval": "kvbench.tasks.leval.scoring:score_records",
     "zeroscrolls": "kvbench.tasks.zeroscrolls.scoring:score_records",
+    "longbench_v2": "kvbench.tasks.longbench_v2.scoring:score_records",
     "needle": "kvbench.tasks.rescoring:needle",
     "needle_retrieval_head": "kvbench.tasks.rescoring:needle_retrieval_head",
     "needle_kvpress": "kvbench.tasks.rescoring:needle_kvpress",
     "passkey": "kvbench.tasks.rescoring:passkey",
     "2stageretr": "kvbench.tasks.rescoring:twostage_retr",
 }
-SINGLE_TASK = ("needle", "needle_retrieval_head", "needle_kvpress", "passkey", "2stageretr")  # no 'dataset' needed
+SINGLE_TASK = ("needle", "needle_retrieval_head", "needle_kvpress", "passkey", "2stageretr",
+               "longbench_v2")  # no 'dataset' needed
 ALIASES = {"prediction": ("prediction", "pred"), "answers": ("answers", "ground_truth")}
+#: per benchmark where its upstream files name fields otherwise: LongBench v2's results (pred.py) hold the response as
+#: ``response`` and the extracted letter as ``pred`` (which must not be scored as the response), the key as ``answer``
+BENCHMARK_ALIASES = {"longbench_v2": {"prediction": ("prediction", "response"), "answers": ("answers", "answer")}}
 FROM_META = ("dataset", "all_classes", "length", "options", "label", "part", "question_index")
 
 
@@ -78,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "--model_name gpt4 (its default model name)")
     parser.add_argument("--rouge-aggregation", choices=("instance", "corpus"),
                         help="ZeroSCROLLS ROUGE aggregation (the task's rouge_aggregation; default: instance)")
+    parser.add_argument("--compensated", action="store_true",
+                        help="LongBench v2: a response without an extractable answer scores 0.25 (result.py's switch)")
     return parser
 
 
@@ -98,14 +106,17 @@ def load_scorer(benchmark: str) -> Any:
     return scorer
 
 
-def read_records(path: str, default_dataset: str | None = None) -> list[dict[str, Any]]:
-    """The records of a predictions file, with field aliases resolved, ``meta`` fields lifted and ``_line`` set;
-    checks that each has a dataset, a string prediction and answers (or a label)."""
+def read_records(path: str, default_dataset: str | None = None,
+                 aliases: dict[str, tuple[str, ...]] | None = None) -> list[dict[str, Any]]:
+    """The records of a predictions file, with field aliases resolved (``aliases``: a benchmark's own, default
+    ``ALIASES``), ``meta`` fields lifted and ``_line`` set; checks that each has a dataset, a string prediction and
+    answers (or a label)."""
     file = Path(path)
     if not file.is_file():
         raise DataError(f"predictions file {path!r} does not exist")
     lines = _text_lines(file, path)
-    records = [_normalize(raw, number, path, default_dataset) for number, raw in json_lines(lines, path)]
+    records = [_normalize(raw, number, path, default_dataset, aliases or ALIASES)
+               for number, raw in json_lines(lines, path)]
     if not records:
         raise DataError(f"predictions file {path!r} has no records")
     return records
@@ -120,7 +131,8 @@ def _text_lines(file: Path, path: str) -> list[str]:
     return utf8_lines(data, path)
 
 
-def _normalize(raw: dict[str, Any], number: int, path: str, default_dataset: str | None) -> dict[str, Any]:
+def _normalize(raw: dict[str, Any], number: int, path: str, default_dataset: str | None,
+               aliases: dict[str, tuple[str, ...]] = ALIASES) -> dict[str, Any]:
     record = dict(raw)
     meta = raw.get("meta") if isinstance(raw.get("meta"), dict) else {}
     for name in FROM_META:
@@ -128,7 +140,7 @@ def _normalize(raw: dict[str, Any], number: int, path: str, default_dataset: str
             record[name] = meta[name]
     if record.get("dataset") is None and default_dataset is not None:
         record["dataset"] = default_dataset
-    for name, keys in ALIASES.items():
+    for name, keys in aliases.items():
         if record.get(name) is None:
             record[name] = next((raw[k] for k in keys if raw.get(k) is not None), None)
     where = f"{path} line {number}"
@@ -182,8 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.benchmark != "zeroscrolls":
                 raise UsageError("--rouge-aggregation applies to --benchmark zeroscrolls only")
             options["rouge_aggregation"] = args.rouge_aggregation
+        if args.compensated:
+            if args.benchmark != "longbench_v2":
+                raise UsageError("--compensated applies to --benchmark longbench_v2 only")
+            options["compensated"] = True
         default = args.dataset or (args.benchmark if args.benchmark in SINGLE_TASK else None)
-        records = read_records(args.predictions, default)
+        records = read_records(args.predictions, default, BENCHMARK_ALIASES.get(args.benchmark))
         try:
             scores = scorer(records, **options)
         except (KeyError, IndexError, TypeError, ValueError) as exc:  # scorers that do not raise DataError

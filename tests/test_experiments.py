@@ -388,3 +388,27 @@ def test_the_csv_mapping_can_fail():
     assert sum(expected_jobs(rows).values()) == 44
     assert sum(expected_jobs(rows[1:]).values()) == 43
     assert sum(expected_jobs(tables()[("D2O", "Table 3")]).values()) == 11
+
+
+#: NVIDIA/kvpress@8bb29b9 evaluation/leaderboard.sh: compression_ratio = fraction of the KV cache REMOVED
+KVPRESS_LEADERBOARD_RATIOS = {0.25, 0.5, 0.75, 0.875}
+
+
+def test_kvpress_leaderboard_preset_is_ruler_4k_at_the_leaderboards_ratios(planner):
+    """conf/experiment/kvpress_leaderboard.yaml composes, and its budgets are the leaderboard's ratios as kept
+    fractions (kvbench's ratio budget keeps, kvpress's compression_ratio removes): budget = 1 - r."""
+    jobs = plan_experiment(planner, "kvpress_leaderboard")
+    invalid = [f"{j.label}: {j.detail}" for j in jobs if j.status == "invalid"]
+    assert not invalid, invalid
+    assert {j.model for j in jobs} == {"llama3.1-8b-instruct"} and {j.task for j in jobs} == {"ruler"}
+    assert all(list(j.cfg.task.context_lengths) == [4096] for j in jobs)
+    assert sorted(j.method for j in jobs if j.budget == "full") == ["fullkv"]
+    compressed = [j for j in jobs if j.method != "fullkv"]
+    assert {j.method for j in compressed} == {"snapkv", "streamingllm", "h2o"} and len(compressed) == 12
+    for method in ("snapkv", "streamingllm", "h2o"):
+        kept = {float(j.budget) for j in compressed if j.method == method}
+        assert {round(1 - b, 6) for b in kept} == KVPRESS_LEADERBOARD_RATIOS, (method, kept)
+    by_method = {j.method: j.cfg.method for j in compressed}
+    assert by_method["snapkv"].window == 64 and by_method["snapkv"].kernel == 5
+    assert by_method["streamingllm"].variant == "kvfactory" and by_method["streamingllm"].window is None
+    assert by_method["h2o"].variant == "prefill_only"

@@ -29,7 +29,7 @@ from kvbench.report.figures import nll_curve
 from kvbench.report.ours import Lookup, Target
 from kvbench.report.paper import load_raw
 from kvbench.report.render import to_csv, to_frame, to_latex, to_markdown
-from kvbench.report.runs import groups, runs_table
+from kvbench.report.runs import groups, length_drift, runs_table
 from kvbench.report.similarity import filter_ability
 from kvbench.report.specs import Derived, get_spec, load_specs, select_specs
 from kvbench.report.store import load_runs, method_label, records
@@ -276,9 +276,49 @@ def test_resident_kv_beside_our_numbers_in_every_table(tmp_path):
     assert kv["fullkv @ full"] == "64.0" and kv["h2o[variant=prefill_only] @ 128"] == "6.0"
     assert frame.loc[frame["Model"] == "Qwen2-7B-Instruct", "kvbench KV MiB"].eq("").all()  # no run of ours
     pg19 = runs_table(runs, "toy", "pg19")  # PG-19 streams through decoding: the cache at the end is what it kept
-    assert list(pg19.columns[-5:]) == ["KV MiB", "KV MiB at end", "prefill s", "decode ms/tok", "run"]
+    assert list(pg19.columns[-9:-4]) == ["KV MiB", "KV MiB at end", "prefill s", "decode ms/tok", "run"]
+    assert list(pg19.columns[-4:]) == ["new tok", "len_vs_full", "decode ms/sample", "decode_vs_full"]  # appended
     assert list(pg19["KV MiB at end"]) == ["45.000"]
     assert "KV MiB at end" not in runs_table(runs, "toy", "longbench").columns
+
+
+def _lengths(**by_id):
+    return [{"id": i, "new_tokens": n, "score": 0.0} for i, n in by_id.items()]
+
+
+def test_output_length_drift_pairs_samples_with_fullkv(tmp_path):
+    """FullKV generated 10 tokens and the method 15 on the same samples: len_vs_full 1.50. Samples only one run has
+    (FullKV's c, the method's d) are left out of the ratio; the implied decode time is ms/tok x mean new tokens."""
+    write_job(tmp_path, "toy", "needle", {"name": "fullkv"}, "full", {"score": 1.0, "decode_ms_per_token": 20.0},
+              recs=_lengths(a=10, b=10, c=100))
+    write_job(tmp_path, "toy", "needle", {"name": "snapkv"}, "128", {"score": 0.5, "decode_ms_per_token": 10.0},
+              recs=_lengths(a=15, b=15, d=1000))
+    write_job(tmp_path, "toy", "needle", {"name": "streamingllm"}, "128", {"score": 0.5, "decode_ms_per_token": 10.0},
+              recs=_lengths(x=7))  # no sample in common with FullKV
+    write_job(tmp_path, "other", "needle", {"name": "snapkv"}, "128", {"score": 0.5, "decode_ms_per_token": 10.0},
+              recs=_lengths(a=15))  # no FullKV run for this model
+    runs = load_runs(tmp_path)
+    table = runs_table(runs, "toy", "needle").set_index("method")
+    assert table.loc["fullkv", "len_vs_full"] == "1.00" and table.loc["fullkv", "decode_vs_full"] == "1.00"
+    assert table.loc["snapkv", "len_vs_full"] == "1.50"  # (15+15)/2 over (10+10)/2; with c and d it would be 8.58
+    assert table.loc["snapkv", "new tok"] == "343.3"  # the run's own mean, every sample
+    assert table.loc["snapkv", "decode ms/sample"] == f"{10.0 * (15 + 15 + 1000) / 3:.1f}"
+    assert table.loc["snapkv", "decode_vs_full"] == "0.75"  # 1.5 x (10 ms/tok) / (20 ms/tok)
+    assert table.loc["fullkv", "decode ms/sample"] == f"{20.0 * 120 / 3:.1f}"
+    assert table.loc["streamingllm", "len_vs_full"] == "" and table.loc["streamingllm", "decode_vs_full"] == ""
+    alone = runs_table(runs, "other", "needle")
+    assert list(alone["len_vs_full"]) == [""] and list(alone["decode_vs_full"]) == [""]
+    assert list(alone["decode ms/sample"]) == ["150.0"]
+    assert length_drift({"a": 3.0}, {"a": 0.0}) is None and length_drift({"a": 3.0}, None) is None
+    assert length_drift({"a": 3.0, "b": 1.0}, {"b": 2.0}) == 0.5
+    # the report writes the columns in every format
+    index = run_all(tmp_path, tmp_path / "report", {}, paper_tables="none")
+    csv_text = (index.parent / "tables" / "runs_toy_needle.csv").read_text()
+    header, full_row, snap_row = csv_text.splitlines()[:3]
+    assert header.endswith("new tok,len_vs_full,decode ms/sample,decode_vs_full")
+    assert snap_row.split(",")[-3] == "1.50"
+    assert "len\\_vs\\_full" in (index.parent / "tables" / "runs_toy_needle.tex").read_text()
+    assert "| len_vs_full |" in (index.parent / "tables" / "runs_toy_needle.md").read_text()
 
 
 def test_runs_of_one_task_with_different_protocols_are_kept_apart(tmp_path):

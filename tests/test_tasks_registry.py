@@ -16,7 +16,8 @@ from kvbench.tasks.base import Task
 CONF_TASK = Path(__file__).resolve().parents[1] / "conf" / "task"
 LMEVAL = {"gsm8k", "coqa", "truthfulqa"}  # need the lmeval extra (in dev); tests/test_task_lmeval.py covers them
 IMPLEMENTED = {"needle", "needle_retrieval_head", "needle_kvpress", "passkey", "2stageretr", "longbench",
-               "longbench_e", "longbench_zh", "leval", "zeroscrolls", "infinitebench", "ruler", "pg19", *LMEVAL}
+               "longbench_e", "longbench_zh", "longbench_v2", "leval", "zeroscrolls", "infinitebench", "ruler", "pg19",
+               *LMEVAL}
 BUILDABLE = IMPLEMENTED if importlib.util.find_spec("lm_eval") is not None else IMPLEMENTED - LMEVAL
 
 
@@ -139,6 +140,7 @@ def test_protocol_holds_every_field():
         task = build_task({"name": name})
         protocol = task.protocol()
         assert protocol["task"] == name and protocol["version"] == task.version
-        # data_dir says where the files are, not what they are: it stays out of the result key
-        assert {f.name for f in dataclasses.fields(task)} - {"data_dir"} <= set(protocol)
+        # data_dir / data_file say where the files are, not what they are: they stay out of the result key
+        assert {f.name for f in dataclasses.fields(task)} - {"data_dir", "data_file"} <= set(protocol)
+        assert not {"data_dir", "data_file"} & set(protocol)
     assert build_task({"name": "needle"}).protocol()["depths"] == [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]

@@ -13,8 +13,9 @@ fields that differ between this model's runs of the task, e.g. ``chat_template=T
 ``method_label`` (``h2o[variant=prefill_only]``: the name plus fields that differ from the method's defaults; POD is
 ``POD-TF``, kvbench's training-free POD),
 ``budget, metric, score, n_samples, limit, hash, path`` (relative to the results directory), ``task_cfg`` (the
-task protocol of the key) and ``scores`` (the parsed ``scores.json``). Rows are sorted by model, task, method label,
-budget and hash, so every reader sees the same order.
+task protocol of the key), ``scores`` (the parsed ``scores.json``) and ``new_tokens`` ({sample id: generated tokens}
+from ``samples.jsonl``: what the runs tables pair with FullKV's for the output-length drift). Rows are sorted by
+model, task, method label, budget and hash, so every reader sees the same order.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvbench.store import canonical_json
 from kvbench.store.compression import uncompressed_reason
 
 RUN_COLUMNS = ["model", "task", "variant", "protocol", "method", "method_label", "budget", "metric", "score",
-               "n_samples", "limit", "hash", "path", "method_cfg", "task_cfg", "scores"]
+               "n_samples", "limit", "hash", "path", "method_cfg", "task_cfg", "scores", "new_tokens"]
 
 
 def job_dirs(results_dir: str | Path) -> list[Path]:
@@ -134,6 +135,7 @@ def read_run(path: Path, results_dir: Path) -> dict[str, Any] | None:
         "method_cfg": method_cfg,
         "task_cfg": task_cfg,
         "scores": scores,
+        "new_tokens": {},  # filled by load_runs for the runs it keeps
     }
 
 
@@ -156,6 +158,8 @@ def load_runs(results_dir: str | Path, include_uncompressed: bool = False) -> pd
     rows = [r for r in (read_run(p, root) for p in job_dirs(root)) if r is not None]
     if not include_uncompressed:
         rows = [r for r in rows if not skip_uncompressed(root, r["path"])]
+    for row in rows:
+        row["new_tokens"] = new_tokens_by_id(root, row["path"])
     frame = pd.DataFrame(rows, columns=RUN_COLUMNS)
     if frame.empty:
         return frame
@@ -225,6 +229,21 @@ def records(results_dir: str | Path, path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in good.splitlines() if line.strip()]
 
 
+def new_tokens_by_id(results_dir: str | Path, path: str) -> dict[str, float]:
+    """{sample id: ``new_tokens``} of one job's records (records without an id or a numeric ``new_tokens`` are left
+    out; an unreadable file gives {})."""
+    try:
+        recs = records(results_dir, path)
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    for rec in recs:
+        value = rec.get("new_tokens")
+        if "id" in rec and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[str(rec["id"])] = float(value)
+    return out
+
+
 def meta(results_dir: str | Path, path: str) -> dict[str, Any]:
     file = Path(results_dir) / path / "meta.json"
     return json.loads(file.read_text()) if file.exists() else {}
@@ -236,4 +255,5 @@ def cfg_matches(cfg: dict[str, Any], required: dict[str, Any]) -> bool:
 
 
 __all__ = ["RUN_COLUMNS", "budget_order", "canonical_json", "cfg_matches", "job_dirs", "load_runs", "meta",
-           "method_label", "non_default_fields", "records", "resident_kv_bytes", "skip_uncompressed", "sub_scores"]
+           "method_label", "new_tokens_by_id", "non_default_fields", "records", "resident_kv_bytes",
+           "skip_uncompressed", "sub_scores"]

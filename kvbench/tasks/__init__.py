@@ -29,6 +29,7 @@ TASKS = Registry(
         "longbench": "kvbench.tasks.longbench:LongBenchTask",
         "longbench_e": "kvbench.tasks.longbench:LongBenchETask",
         "longbench_zh": "kvbench.tasks.longbench:LongBenchZhTask",
+        "longbench_v2": "kvbench.tasks.longbench_v2:LongBenchV2Task",
         "leval": "kvbench.tasks.leval:LEvalTask",
         "zeroscrolls": "kvbench.tasks.zeroscrolls:ZeroScrollsTask",
         "infinitebench": "kvbench.tasks.infinitebench:InfiniteBenchTask",
