@@ -226,11 +226,13 @@ def essay_prompt(smol):
 TOKEN_BYTES = 30 * 3 * 64 * 2 * 4
 BUDGET = 128
 # what each method's cache holds at budget 128 on a 600-token prompt, generating 4 tokens (3 decode steps)
-EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm"}
-PREFILL_ONLY = {"dynamickv", "kvmerger", "pyramidinfer", "pyramidkv", "snapkv"}
+EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "tova"}
+PREFILL_ONLY = {"dynamickv", "kvmerger", "pyramidinfer", "pyramidkv", "snapkv", "knorm", "keydiff",
+                "expected_attention"}
 ATTENDS_LESS = {"infllm", "omnikv", "quest"}  # everything resident, fewer entries attended per step
 KEEPS_ALL = {"fullkv", "pod"}  # POD without a block map is FullKV by definition (its memory is set by its window)
-UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "snapkv"}
+UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "snapkv", "knorm", "keydiff",
+           "expected_attention", "tova"}
 
 
 def test_every_runnable_method_is_classified_here():

@@ -32,6 +32,10 @@ METHODS = Registry(
         "local": "kvbench.methods.local:LocalWindow",
         "lminfinite": "kvbench.methods.lminfinite:LMInfinite",
         "sirllm": "kvbench.methods.sirllm:SirLLM",
+        "knorm": "kvbench.methods.knorm:KNorm",
+        "keydiff": "kvbench.methods.keydiff:KeyDiff",
+        "tova": "kvbench.methods.tova:TOVA",
+        "expected_attention": "kvbench.methods.expected_attention:ExpectedAttention",
     },
     pending={},  # every method the five papers compare against is implemented (issue #4)
 )

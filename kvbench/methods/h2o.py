@@ -125,6 +125,15 @@ class H2O(Method):
                                              chunk=self.chunk)
         return prompt_column_sums(layer, ctx, self.chunk)
 
+    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+        """The prefill selection's scores: accumulated prompt attention per head, the recent tokens (``window`` for
+        the prefill-only variants, ``round(recent_ratio * budget)`` for ``paper``) at +inf, padding -inf."""
+        to_query_heads(layer, ctx, self.granularity)
+        acc = aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], self.group_agg)
+        if ctx.key_valid is not None:
+            acc = acc.masked_fill(~ctx.key_valid[:, None], float("-inf"))
+        return self._scores(layer, acc, ctx.capacity)
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         to_query_heads(layer, ctx, self.granularity)
         acc = aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], self.group_agg)
