@@ -140,6 +140,10 @@ class Method:
         """Whether the method implements ``prefill_scores`` (checked by the wrappers when they are configured)."""
         return cls.prefill_scores is not Method.prefill_scores
 
+    def scores_available(self) -> bool:
+        """Whether this instance gives scores (KeyDiff's block mode does not); default: ``has_prefill_scores``."""
+        return self.has_prefill_scores()
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         """Compress ``layer`` at the end of prefill (default: keep everything)."""
 

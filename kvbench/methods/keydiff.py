@@ -64,6 +64,9 @@ class KeyDiff(Method):
         check_choice(self.name, "mode", self.mode, MODES)
         check_positive(self.name, block_size=self.block_size)
 
+    def scores_available(self) -> bool:
+        return self.mode == "whole_prompt"
+
     def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         """The whole-prompt scores (``mode=whole_prompt``). The block mode's kept set comes from a sequence of
         scorings of different sets, not one score per entry: refused (no wrapper can take its place faithfully)."""
