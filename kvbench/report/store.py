@@ -49,7 +49,6 @@ def method_defaults(name: str) -> dict[str, Any] | None:
     holds them: a field whose default ``None`` means "by variant" (DynamicKV's ``schedule``, D2O's ``beta``) is
     compared with what it resolves to, as a run's key records the resolved value."""
     from kvbench.methods import METHODS
-
     from kvbench.methods.scorer_wrapper import WRAPPERS
 
     base, _, scorer = name.partition("-")

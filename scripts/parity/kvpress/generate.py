@@ -44,15 +44,23 @@ def module_for(case: dict, dtype: torch.dtype):
 
 
 def build_press(name: str, ratio: float):
-    from kvpress import (AdaKVPress, BlockPress, ChunkKVPress, ExpectedAttentionPress, KeyDiffPress, KnormPress,
-                         TOVAPress)
+    from kvpress import (
+        AdaKVPress,
+        BlockPress,
+        ChunkKVPress,
+        ExpectedAttentionPress,
+        KeyDiffPress,
+        KnormPress,
+        TOVAPress,
+    )
 
     simple = {"knorm": KnormPress, "keydiff": KeyDiffPress, "tova": TOVAPress,
               "expected_attention": ExpectedAttentionPress}
     if name in simple:
         return simple[name](compression_ratio=ratio)
     if name.startswith("keydiff_block"):
-        return BlockPress(press=KeyDiffPress(compression_ratio=ratio), block_size=int(name.removeprefix("keydiff_block")))
+        block = int(name.removeprefix("keydiff_block"))
+        return BlockPress(press=KeyDiffPress(compression_ratio=ratio), block_size=block)
     wrapper, _, inner = name.partition("_")
     if wrapper == "adakv":
         return AdaKVPress(press=simple[inner](compression_ratio=ratio))
