@@ -111,4 +111,5 @@ class SnapKV(Method):
         to_query_heads(layer, ctx, self.granularity)
         if ctx.n <= self.window or bool((ctx.prompt_lens <= ctx.capacity).all()):
             return
-        keep_top(layer, self.prefill_scores(layer, ctx), self.layer_capacity(ctx), window=self.window)
+        scores = self.prefill_scores(layer, ctx)
+        keep_top(layer, scores, self.layer_capacity(ctx), window=self.window)
