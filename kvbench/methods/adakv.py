@@ -76,8 +76,10 @@ class AdaKV(ScorerWrapper):
         if bool((ctx.prompt_lens <= ctx.capacity).all()):
             return
         scores = self.scorer_scores(layer, ctx)
-        kept = torch.stack([adakv_keep(scores[row], cap, self.alpha_safeguard)
-                            for row, cap in enumerate(host_ints(layer, ctx.capacity))])
+        kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        for row, cap in enumerate(host_ints(layer, ctx.capacity)):  # each row on its own tokens, as it would be alone
+            where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
+            kept[row][:, where] = adakv_keep(scores[row][:, where], cap, self.alpha_safeguard)
         if layer.valid is not None:
             kept = kept & layer.valid
         if self.layout == "kvpress_mask":

@@ -103,7 +103,10 @@ class ChunkKV(ScorerWrapper):
             scores = self.scorer_scores(layer, ctx)
             caps = host_ints(layer, ctx.capacity)
             pick = chunk_keep_kvpress if self.variant == "kvpress" else chunk_keep
-            kept = torch.stack([pick(scores[row], cap, self.chunk_length) for row, cap in enumerate(caps)])
+            kept = torch.zeros(scores.shape[0], scores.shape[2], dtype=torch.bool, device=scores.device)
+            for row, cap in enumerate(caps):  # each row on its own tokens, as it would be alone
+                where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
+                kept[row][where] = pick(scores[row][:, where], cap, self.chunk_length)
             self._reused = kept
         full = kept[:, None].expand(-1, layer.keys.shape[1], -1)
         if layer.valid is not None:
