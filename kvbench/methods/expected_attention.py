@@ -102,7 +102,10 @@ class ExpectedAttention(Method):
                                     "queries before RoPE; this model's rotary embedding is not position-independent "
                                     "with attention scaling 1")
         inv_freq = ctx.rope_inv_freq.to(ctx.queries.device)
-        b, hq, n, _ = ctx.queries.shape
+        b, hq, n, d = ctx.queries.shape
+        if 2 * inv_freq.numel() != d:
+            raise NotAvailableError(f"method 'expected_attention': the model rotates {2 * inv_freq.numel()} of {d} "
+                                    "query dimensions (partial RoPE); the averaged rotation assumes a full one")
         positions = layer.positions[:, :1].expand(b, hq, n)  # the prompt's queries sit at their keys' positions
         pre = rotate_keys(ctx.queries.float(), -positions.float(), inv_freq)
         scores = torch.full(layer.keys.shape[:3], float("-inf"), device=layer.keys.device)
