@@ -81,7 +81,8 @@ def run(name: str, case: dict, dtype: torch.dtype) -> tuple[list[list[float]] | 
     scores = None
     scorer = getattr(press, "press", press)
     if not name.startswith("keydiff_block"):
-        scores = scorer.score(module, hidden, keys, values, None, kwargs)[0].double().tolist()
+        raw = scorer.score(module, hidden, keys, values, None, kwargs)[0].double().tolist()
+        scores = [[float(f"{x:.9g}") for x in row] for row in raw]  # 9 digits: a float32 round-trips
     with torch.no_grad():
         out_keys, _ = press.compress(module, hidden, keys, values, None, kwargs)
     if name.startswith("adakv"):
