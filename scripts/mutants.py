@@ -45,6 +45,7 @@ H2O = ["tests/test_methods.py", PARITY, "-k", "not parity or h2o"]
 STREAMINGLLM = ["tests/test_methods.py", PARITY, "-k", "not parity or streamingllm"]
 CAM = ["tests/test_method_cam.py", PARITY, "-k", "not parity or cam"]
 BATCH = ["tests/test_batch_equals_single.py", "-k", "snapkv or pyramidkv or h2o"]
+SCORERS = ["tests/test_method_scorers.py", "tests/test_parity_kvpress.py"]
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,8 @@ MUTANTS = [
            "return window_attention(ctx.queries, layer.keys, self.window, ctx.scaling, ctx.key_valid).amax(-2)",
            H2O, "score (kvfactory_2406): the window's max instead of its sum"),
     Mutant("h2o-group-max", "h2o", "kvbench/methods/h2o.py",
-           "acc = aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], self.group_agg)",
-           "acc = aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], \"max\")",
+           "return aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], self.group_agg)",
+           "return aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], \"max\")",
            H2O, "group aggregation: max over the group instead of group_agg"),
     Mutant("h2o-window", "h2o", "kvbench/methods/h2o.py",
            "return torch.full_like(capacity, self.window)",
@@ -265,6 +266,31 @@ MUTANTS = [
            "return probs[..., : n - ws].sum(-2)",
            "return probs[..., : n - ws].sum(-1)",
            DYNAMICKV, "eq. 4: the window's attention summed over its queries"),
+    # ---- the scorers and the wrappers over them (issue #27) ------------------------------------------------------
+    Mutant("knorm-largest-norm", "knorm", "kvbench/methods/knorm.py",
+           "scores = -torch.linalg.vector_norm(keys, dim=-1, dtype=dtype)",
+           "scores = torch.linalg.vector_norm(keys, dim=-1, dtype=dtype)",
+           [*SCORERS, "-k", "knorm"], "score: keep the largest key norms"),
+    Mutant("keydiff-anchor-unnormalised", "keydiff", "kvbench/methods/keydiff.py",
+           "anchor = F.normalize(keys, p=2, dim=-1).mean(dim=-2, keepdim=True)",
+           "anchor = keys.mean(dim=-2, keepdim=True)",
+           [*SCORERS, "-k", "keydiff"], "anchor: the mean key instead of the mean key direction"),
+    Mutant("tova-decode-max-heads", "tova", "kvbench/methods/tova.py",
+           "scores = ctx.probs[:, :, :, -1].mean((1, 2))",
+           "scores = ctx.probs[:, :, :, -1].amax((1, 2))",
+           [*SCORERS, "-k", "tova"], "decode: the heads' maximum attention instead of their average"),
+    Mutant("expected-attention-covariance-scale", "expected_attention", "kvbench/methods/expected_attention.py",
+           "* (scaling * scaling / 2)",
+           "* (scaling / 2)",
+           [*SCORERS, "-k", "expected_attention"], "expected logit: the covariance term scaled by s/2, not s^2/2"),
+    Mutant("adakv-no-safeguard", "adakv", "kvbench/methods/adakv.py",
+           "    if n_safe:",
+           "    if False:",
+           [*SCORERS, "-k", "adakv"], "the safeguard: no head guaranteed alpha x budget"),
+    Mutant("chunkkv-chunk-max", "chunkkv", "kvbench/methods/chunkkv.py",
+           "chunk_scores = summed.view(complete, chunk).sum(-1)",
+           "chunk_scores = summed.view(complete, chunk).amax(-1)",
+           [*SCORERS, "-k", "chunkkv"], "chunk score: the chunk's maximum instead of its sum"),
 ]
 
 

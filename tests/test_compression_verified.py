@@ -226,15 +226,23 @@ def essay_prompt(smol):
 TOKEN_BYTES = 30 * 3 * 64 * 2 * 4
 BUDGET = 128
 # what each method's cache holds at budget 128 on a 600-token prompt, generating 4 tokens (3 decode steps)
-EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm"}
-PREFILL_ONLY = {"dynamickv", "kvmerger", "pyramidinfer", "pyramidkv", "snapkv"}
+EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "tova"}
+PREFILL_ONLY = {"dynamickv", "kvmerger", "pyramidinfer", "pyramidkv", "snapkv", "knorm", "keydiff",
+                "expected_attention"}
 ATTENDS_LESS = {"infllm", "omnikv", "quest"}  # everything resident, fewer entries attended per step
 KEEPS_ALL = {"fullkv", "pod"}  # POD without a block map is FullKV by definition (its memory is set by its window)
-UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "snapkv"}
+UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "snapkv", "knorm", "keydiff",
+           "expected_attention", "tova"}
+
+
+# AdaKV: heads keep different numbers (H x budget per layer), the cache is as long as its longest head (padding
+# allocated and counted); ChunkKV (over SnapKV, window 32): the window plus (128 - 32) // 20 = 4 chunks of 20
+HEAD_BUDGETS = {"adakv"}
+CHUNKS = {"chunkkv": 32 + 4 * 20}
 
 
 def test_every_runnable_method_is_classified_here():
-    assert EVICTS_EVERY_STEP | PREFILL_ONLY | ATTENDS_LESS | KEEPS_ALL == set(RUNNABLE)
+    assert EVICTS_EVERY_STEP | PREFILL_ONLY | ATTENDS_LESS | KEEPS_ALL | HEAD_BUDGETS | set(CHUNKS) == set(RUNNABLE)
 
 
 @pytest.mark.slow
@@ -246,7 +254,15 @@ def test_the_cache_holds_what_the_budget_says_on_smollm2(smol, essay_prompt, met
     assert stats.prompt_lens == [n] and len(out.tokens[0]) == 4 and steps == 3
     entries = stats.layer_entries_after_prefill
     assert len(entries) == 30
-    if method in EVICTS_EVERY_STEP | PREFILL_ONLY:
+    if method in HEAD_BUDGETS:
+        assert entries == [BUDGET] * 30  # valid entries per head, averaged: exactly the budget
+        assert stats.resident_kv_bytes_after_prefill > BUDGET * TOKEN_BYTES  # the longest head's padding is held
+        assert stats.attended_tokens_mean == pytest.approx(BUDGET + (steps + 1) / 2)
+    elif method in CHUNKS:
+        assert entries == [CHUNKS[method]] * 30
+        assert stats.resident_kv_bytes_after_prefill == CHUNKS[method] * TOKEN_BYTES
+        assert out.resident_kv_bytes_final == (CHUNKS[method] + steps) * TOKEN_BYTES
+    elif method in EVICTS_EVERY_STEP | PREFILL_ONLY:
         assert stats.resident_kv_bytes_after_prefill == BUDGET * TOKEN_BYTES == 5_898_240
         if method == "kvmerger":  # heads padded to the budget; a head can end a few valid entries short (enforce)
             assert all(BUDGET - 8 <= e <= BUDGET for e in entries)
@@ -318,13 +334,16 @@ def test_the_cache_holds_what_the_budget_says_on_gemma3(gemma, gemma_prompt, met
     def attended(global_mean: float) -> float:  # a sliding layer attends its 511 entries and the step's own
         return (15 * GEMMA_WINDOW + 3 * global_mean) / 18
 
-    if method in EVICTS_EVERY_STEP | PREFILL_ONLY:
+    if method in CHUNKS:
+        assert full_layers == [CHUNKS[method]] * 3
+        assert stats.resident_kv_bytes_after_prefill == window_bytes + 3 * CHUNKS[method] * GEMMA_ENTRY_BYTES
+    elif method in EVICTS_EVERY_STEP | PREFILL_ONLY | HEAD_BUDGETS:  # one KV head: AdaKV allocates nothing here
         assert stats.resident_kv_bytes_after_prefill == window_bytes + 3 * BUDGET * GEMMA_ENTRY_BYTES == 16_484_352
         if method == "kvmerger":
             assert all(BUDGET - 8 <= e <= BUDGET for e in full_layers)
         else:
             assert sum(full_layers) == 3 * BUDGET
-            assert (full_layers == [BUDGET] * 3) == (method in UNIFORM)
+            assert (full_layers == [BUDGET] * 3) == (method in UNIFORM | HEAD_BUDGETS)
         grown = 0 if method in EVICTS_EVERY_STEP else steps
         assert out.resident_kv_bytes_final == window_bytes + 3 * (BUDGET + grown) * GEMMA_ENTRY_BYTES
         expected = attended(BUDGET + (steps + 1) / 2 if grown else BUDGET + 1)

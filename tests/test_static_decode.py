@@ -18,7 +18,8 @@ from kvbench.errors import ConfigError
 from kvbench.methods import build_method
 
 pytestmark = pytest.mark.compat
-STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest"]
+STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
+          "keydiff", "expected_attention", "adakv", "chunkkv"]
 
 
 def _prompt(n=200, seed=1):
@@ -73,7 +74,7 @@ def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
     assert both.tokens[0] == alone[0]
 
 
-NO_STATIC = ["d2o", "cam", "roco", "sirllm", "pod", "omnikv", "infllm", "lminfinite", "pyramidinfer"]
+NO_STATIC = ["d2o", "cam", "roco", "sirllm", "pod", "omnikv", "infllm", "lminfinite", "pyramidinfer", "tova"]
 
 
 @pytest.mark.parametrize("method", NO_STATIC)

@@ -32,6 +32,12 @@ METHODS = Registry(
         "local": "kvbench.methods.local:LocalWindow",
         "lminfinite": "kvbench.methods.lminfinite:LMInfinite",
         "sirllm": "kvbench.methods.sirllm:SirLLM",
+        "knorm": "kvbench.methods.knorm:KNorm",
+        "keydiff": "kvbench.methods.keydiff:KeyDiff",
+        "tova": "kvbench.methods.tova:TOVA",
+        "expected_attention": "kvbench.methods.expected_attention:ExpectedAttention",
+        "adakv": "kvbench.methods.adakv:AdaKV",
+        "chunkkv": "kvbench.methods.chunkkv:ChunkKV",
     },
     pending={},  # every method the five papers compare against is implemented (issue #4)
 )
@@ -39,8 +45,13 @@ METHODS = Registry(
 
 def build_method(cfg: Any, budget: Budget) -> Method:
     """Method instance from the composed ``method`` config node (``name`` + fields), validated against ``budget``."""
+    from kvbench.methods.scorer_wrapper import WRAPPERS
+
     fields = {k: v for k, v in dict(cfg).items() if k != "name"}
-    method = METHODS.build(str(cfg["name"]), fields)
+    name = str(cfg["name"])
+    if name not in METHODS.entries and name.partition("-")[0] in WRAPPERS:  # a stored composed name: adakv-snapkv
+        name = name.partition("-")[0]
+    method = METHODS.build(name, fields)
     method.validate(budget)
     return method
 

@@ -123,6 +123,27 @@ class Method:
         ``layer`` holds the whole prompt's post-RoPE keys/values; called before ``prefill``."""
         return None
 
+    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+        """The method's per-entry scores of the layer's prompt, ``(B, H, n)`` with H the layer's heads (after any layout
+        change the method makes, KVCache-Factory's ``query_head``): higher is kept first; ``+inf`` marks entries the
+        method always keeps (observation window, sinks, recent tokens), ``-inf`` padding. Called after
+        ``prefill_attend``, in place of ``prefill``. The one interface through which wrappers (AdaKV across heads,
+        ChunkKV across chunks) select: they never re-implement a score. A method without per-entry prompt scores
+        refuses (NotAvailableError naming it)."""
+        from kvbench.errors import NotAvailableError
+
+        raise NotAvailableError(f"method {self.name!r} exposes no per-entry prefill scores; scorers: "
+                                f"{', '.join(scorer_names())}")
+
+    @classmethod
+    def has_prefill_scores(cls) -> bool:
+        """Whether the method implements ``prefill_scores`` (checked by the wrappers when they are configured)."""
+        return cls.prefill_scores is not Method.prefill_scores
+
+    def scores_available(self) -> bool:
+        """Whether this instance gives scores (KeyDiff's block mode does not); default: ``has_prefill_scores``."""
+        return self.has_prefill_scores()
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         """Compress ``layer`` at the end of prefill (default: keep everything)."""
 
@@ -170,6 +191,13 @@ class Method:
         return {}
 
 
+def scorer_names() -> list[str]:
+    """Registered methods that implement ``prefill_scores`` (what ``method.scorer`` of a wrapper may name)."""
+    from kvbench.methods import METHODS
+
+    return [name for name in METHODS.names() if METHODS.get_class(name).has_prefill_scores()]
+
+
 def check_positive(method: str, **fields: float) -> None:
     for key, value in fields.items():
         if value is None or value <= 0:
@@ -187,6 +215,7 @@ from kvbench.methods.cache_ops import (  # noqa: E402
     attend_with_column_sums,
     expand_to_query_heads,
     host_ints,
+    keep_entries,
     keep_top,
     prompt_column_sums,
     real_rank,
@@ -195,5 +224,6 @@ from kvbench.methods.cache_ops import (  # noqa: E402
 
 __all__ = [
     "DecodeContext", "Method", "PrefillContext", "attend_with_column_sums", "check_choice", "check_positive",
-    "expand_to_query_heads", "host_ints", "keep_top", "prompt_column_sums", "real_rank", "unpadded_overflow",
+    "expand_to_query_heads", "host_ints", "keep_entries", "keep_top", "prompt_column_sums", "real_rank",
+    "unpadded_overflow",
 ]

@@ -99,6 +99,13 @@ def _keep_top_per_row(layer: KVLayer, scores: torch.Tensor, caps: list[int], win
                 choice = torch.zeros_like(own, dtype=torch.bool).scatter_(-1, top, chosen)
             kept[row, hidx] = torch.zeros(len(heads), n, dtype=torch.bool, device=scores.device).scatter_(
                 -1, entries, choice)
+    keep_entries(layer, kept)
+
+
+def keep_entries(layer: KVLayer, kept: torch.Tensor) -> None:
+    """Keep the entries ``kept`` ``(B, H, entries)`` marks (a selection made elsewhere: block-wise, chunk-wise,
+    head-wise budgets), evicting the rest. The cache becomes ``max`` kept entries long; a (row, head) keeping fewer
+    gets empty (invalid) slots, which are allocated and count in resident bytes."""
     k = int(kept.sum(-1).max())
     # kept entries first (stable: in stored order), then other entries as empty slots of rows keeping fewer
     index = torch.sort(kept.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :k]

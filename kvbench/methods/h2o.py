@@ -125,9 +125,22 @@ class H2O(Method):
                                              chunk=self.chunk)
         return prompt_column_sums(layer, ctx, self.chunk)
 
-    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+    def _prompt_acc(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+        """The variant's prompt scores per head of the layer ``(B, H, n)`` (KV heads, or query heads after
+        ``granularity``)."""
         to_query_heads(layer, ctx, self.granularity)
-        acc = aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], self.group_agg)
+        return aggregate_group(self._prompt_scores(layer, ctx), layer.keys.shape[1], self.group_agg)
+
+    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+        """The prefill selection's scores: accumulated prompt attention per head, the recent tokens (``window`` for
+        the prefill-only variants, ``round(recent_ratio * budget)`` for ``paper``) at +inf, padding -inf."""
+        acc = self._prompt_acc(layer, ctx)
+        if ctx.key_valid is not None:
+            acc = acc.masked_fill(~ctx.key_valid[:, None], float("-inf"))
+        return self._scores(layer, acc, ctx.capacity)
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        acc = self._prompt_acc(layer, ctx)
         if self.variant == "paper":
             layer.state["acc"] = acc
         recent = self._recent_host(tuple(int(c) for c in ctx.capacity.tolist()))

@@ -98,9 +98,18 @@ class SnapKV(Method):
         """Tokens this layer keeps per row (window included): the budget, the same in every layer."""
         return ctx.capacity
 
+    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+        """``snap_scores``: the window (+inf), the pooled window attention before it (the layer's heads after
+        ``granularity``); a prompt no longer than the window is all window."""
+        to_query_heads(layer, ctx, self.granularity)
+        if ctx.n <= self.window:
+            scores = torch.full(layer.keys.shape[:3], float("inf"), device=layer.keys.device)
+            return scores if ctx.key_valid is None else scores.masked_fill(~ctx.key_valid[:, None], float("-inf"))
+        return snap_scores(layer, ctx, self.window, self.kernel, self.pooling, self.group_agg)
+
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         to_query_heads(layer, ctx, self.granularity)
         if ctx.n <= self.window or bool((ctx.prompt_lens <= ctx.capacity).all()):
             return
-        scores = snap_scores(layer, ctx, self.window, self.kernel, self.pooling, self.group_agg)
+        scores = self.prefill_scores(layer, ctx)
         keep_top(layer, scores, self.layer_capacity(ctx), window=self.window)

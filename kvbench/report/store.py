@@ -50,13 +50,16 @@ def method_defaults(name: str) -> dict[str, Any] | None:
     holds them: a field whose default ``None`` means "by variant" (DynamicKV's ``schedule``, D2O's ``beta``) is
     compared with what it resolves to, as a run's key records the resolved value."""
     from kvbench.methods import METHODS
+    from kvbench.methods.scorer_wrapper import WRAPPERS
 
+    base, _, scorer = name.partition("-")
+    composed = name not in METHODS.entries and base in WRAPPERS and bool(scorer)  # adakv-snapkv
     try:
-        cls = METHODS.get_class(name)
+        cls = METHODS.get_class(base if composed else name)
     except Exception:  # a pending or unknown method: no defaults to compare with
         return None
     try:
-        instance = cls()
+        instance = cls(scorer=scorer) if composed else cls()
     except Exception:  # a method without defaults for every field: the declared ones
         instance = None
     out = {}

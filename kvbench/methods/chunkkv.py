@@ -1,0 +1,114 @@
+"""ChunkKV: keep whole chunks of consecutive tokens, ranked by a scorer's summed scores.
+
+Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context LLM Inference"
+(arXiv:2502.00299); kvpress ``ChunkKVPress``. Wraps any method with ``prefill_scores``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvbench.errors import ConfigError
+from kvbench.methods.base import PrefillContext, check_choice, check_positive, host_ints, keep_entries
+from kvbench.methods.scorer_wrapper import ScorerWrapper
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+
+#: ``paper``: the scorer's must-keep entries stay, the others are chunked and ``(budget - kept) // chunk_length``
+#: chunks kept; ``kvpress``: kvpress's ChunkKVPress (every token chunked, must-keep entries scored as the maximum + 1,
+#: a partial last chunk scored by its mean, ``max(1, int(chunks * budget / n))`` chunks)
+VARIANTS = ("paper", "kvpress")
+
+
+def chunk_keep(scores: torch.Tensor, capacity: int, chunk: int) -> torch.Tensor:
+    """One row's kept entries ``(n,)`` bool (the same for every head) from scores ``(H, n)``, the paper's reading:
+    entries +inf in any head stay; the other valid entries, in position order, form chunks of ``chunk`` tokens (a
+    remainder shorter than a chunk, the last candidates, is never kept); a chunk's score is the sum of its scores over
+    its tokens and all heads; the top ``(capacity - stay) // chunk`` chunks are kept."""
+    stay = (torch.isinf(scores) & (scores > 0)).any(0)
+    valid = (scores > float("-inf")).all(0)
+    cand = torch.nonzero(valid & ~stay).flatten()
+    kept = stay.clone()
+    k = max(0, capacity - int(stay.sum())) // chunk
+    if k == 0 or len(cand) == 0:
+        return kept
+    complete = len(cand) // chunk  # a remainder shorter than a chunk is never a candidate
+    if complete == 0:
+        return kept
+    summed = scores[:, cand[: complete * chunk]].sum(0)  # over heads
+    chunk_scores = summed.view(complete, chunk).sum(-1)
+    top = chunk_scores.topk(min(k, complete)).indices
+    kept[cand[: complete * chunk].view(complete, chunk)[top].flatten()] = True
+    return kept
+
+
+def chunk_keep_kvpress(scores: torch.Tensor, capacity: int, chunk: int) -> torch.Tensor:
+    """kvpress ``ChunkKVPress.compress`` on one row's scores ``(H, n)`` (no padding): +inf entries scored as the
+    largest finite score + 1 (its scorers' padding value), chunks over all n tokens, a chunk scored by the mean over
+    its tokens of the scores summed over heads, ``max(1, chunks * capacity // n)`` chunks kept (kvpress:
+    ``int(chunks * (1 - compression_ratio))``)."""
+    h, n = scores.shape
+    finite = scores[torch.isfinite(scores)]
+    scores = torch.where(torch.isinf(scores) & (scores > 0), finite.max() + 1, scores)
+    complete, rest = divmod(n, chunk)
+    if complete == 0:  # kvpress delegates to the scorer's own top-k
+        kept = torch.zeros(n, dtype=torch.bool, device=scores.device)
+        return kept.scatter_(0, scores.sum(0).topk(capacity).indices, True)  # (not reached for n >= chunk)
+    summed = scores.sum(0)
+    chunk_scores = summed[: complete * chunk].view(complete, chunk).mean(-1)
+    if rest:
+        chunk_scores = torch.cat([chunk_scores, summed[-rest:].mean(-1, keepdim=True)])
+    count = max(1, (len(chunk_scores) * capacity) // n)
+    top = chunk_scores.topk(count).indices
+    return torch.isin(torch.arange(n, device=scores.device) // chunk, top)
+
+
+@dataclass
+class ChunkKV(ScorerWrapper):
+    """Prefill-only: per layer, the scorer's must-keep entries (+inf: SnapKV's window, sinks) plus the
+    ``(budget - kept) // chunk_length`` chunks of ``chunk_length`` consecutive tokens with the highest summed scores
+    (over the chunk's tokens and the layer's heads: every head keeps the same chunks, as kvpress). At most ``budget``
+    entries: a budget remainder smaller than a chunk stays unused, and so do the candidates after the last complete
+    chunk. Chunk length 20 is the paper's default.
+
+    ``layer_reuse=1`` (default): every layer selects its own chunks. ``layer_reuse=r``: the paper's layer-wise index
+    reuse, the chunks selected at layer ``l`` (``l`` a multiple of r) are kept at layers ``l+1 .. l+r-1`` too, which
+    are not scored. ``variant="kvpress"``: kvpress's ChunkKVPress arithmetic (``chunk_keep_kvpress``).
+    """
+
+    name: ClassVar[str] = "chunkkv"
+    chunk_length: int = 20
+    layer_reuse: int = 1
+    variant: str = "paper"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("chunkkv", chunk_length=self.chunk_length, layer_reuse=self.layer_reuse)
+        check_choice("chunkkv", "variant", self.variant, VARIANTS)
+        if self.variant == "kvpress" and self.layer_reuse != 1:
+            raise ConfigError("method 'chunkkv': variant=kvpress has no layer reuse (layer_reuse=1)")
+        self._reused: torch.Tensor | None = None  # kept positions' mask of the last scored layer
+
+    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+            return
+        if ctx.layer_idx % self.layer_reuse and self._reused is not None and \
+                self._reused.shape[-1] == layer.num_entries:
+            kept = self._reused  # positions are the same in every layer at prefill
+        else:
+            scores = self.scorer_scores(layer, ctx)
+            caps = host_ints(layer, ctx.capacity)
+            pick = chunk_keep_kvpress if self.variant == "kvpress" else chunk_keep
+            kept = torch.zeros(scores.shape[0], scores.shape[2], dtype=torch.bool, device=scores.device)
+            for row, cap in enumerate(caps):  # each row on its own tokens, as it would be alone
+                where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
+                kept[row][where] = pick(scores[row][:, where], cap, self.chunk_length)
+            self._reused = kept
+        full = kept[:, None].expand(-1, layer.keys.shape[1], -1)
+        if layer.valid is not None:
+            full = full & layer.valid
+        keep_entries(layer, full)

@@ -1,0 +1,76 @@
+"""What AdaKV and ChunkKV share: a method that allocates entries over another method's scores (DESIGN principle 12).
+
+The wrapped method (``scorer``, any registered method with ``prefill_scores``) is built from its name and
+``scorer_fields`` (its own config fields; unset ones take its defaults). The wrapper never re-implements a score: it
+calls ``scorer.prefill_attend`` and ``scorer.prefill_scores`` and selects over them. Its name is composed,
+``adakv-snapkv``, and is what the job directory, the result key (``describe``) and the tables show; the key also holds
+the scorer's resolved fields, so changing a scorer's default changes the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from kvbench.budget import Budget
+from kvbench.errors import ConfigError
+from kvbench.methods.base import Method, PrefillContext, scorer_names
+
+if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.engine.cache import KVLayer
+
+#: wrappers by config name: ``build_method`` and the report read composed names (``adakv-snapkv``) through this
+WRAPPERS = ("adakv", "chunkkv")
+
+
+@dataclass
+class ScorerWrapper(Method):
+    """Base of the allocation wrappers: builds the scorer, delegates its prompt attention and scores."""
+
+    name: ClassVar[str] = "scorer_wrapper"
+    compression: ClassVar[str] = "prefill"
+    scorer: str = "snapkv"
+    scorer_fields: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from kvbench.methods import METHODS
+
+        base = type(self).name
+        if self.scorer not in METHODS.names():
+            raise ConfigError(f"method {base!r}: scorer={self.scorer!r} is not a method; scorers: "
+                              f"{', '.join(scorer_names())}")
+        fields = dict(self.scorer_fields or {})
+        self._scorer: Method = METHODS.build(self.scorer, fields)
+        if not self._scorer.scores_available():
+            raise ConfigError(f"method {base!r}: scorer={self.scorer!r} (with {fields or 'its defaults'}) exposes no "
+                              f"per-entry prefill scores; scorers: {', '.join(scorer_names())}")
+        # the scorer's resolved fields: the key changes when a scorer default does
+        self.scorer_fields = {f.name: getattr(self._scorer, f.name) for f in dataclasses.fields(self._scorer)
+                              if f.init and not f.name.startswith("_")}
+        self.name = f"{base}-{self.scorer}"
+
+    def validate(self, budget: Budget) -> None:
+        super().validate(budget)
+        self._scorer.validate(budget)
+
+    def min_budget_tokens(self) -> int:
+        return self._scorer.min_budget_tokens()
+
+    def min_budget_reason(self) -> str:
+        return f"scorer {self.scorer!r}: {self._scorer.min_budget_reason()}"
+
+    def check_layers(self, num_layers: int) -> None:
+        self._scorer.check_layers(num_layers)
+
+    def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        return self._scorer.prefill_attend(layer, ctx)
+
+    def scorer_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+        """The scorer's ``(B, H, n)`` scores of the layer (+inf kept, -inf padding), float32."""
+        return self._scorer.prefill_scores(layer, ctx).float()
+
+    def describe(self) -> dict:
+        return {"name": self.name, **dataclasses.asdict(self)}
