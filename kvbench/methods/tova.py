@@ -77,7 +77,7 @@ class TOVA(Method):
             scores = scores.masked_fill(~layer.valid, float("-inf"))
         keep_top(layer, scores, ctx.capacity)
 
-    def static_policy(self, capacity: int):
+    def static_policy(self, capacity: int, layer_idx: int = 0):
         from kvbench.engine.static import StaticPolicy
 
         return StaticPolicy() if self.variant == "kvpress_prefill" else None
