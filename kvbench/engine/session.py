@@ -389,6 +389,25 @@ class CompressionSession:
         self.stats.layer_entries_after_prefill = [int(m) if m.is_integer() else round(m, 2) for m in means]
         if check and self._expected_compression() == "prefill":
             self._check_evicted("after prefill")
+        if check and not self.budget.is_full:
+            self._check_key_channels()
+
+    def _check_key_channels(self) -> None:
+        """A method that prunes key channels (``Method.expected_key_channels``) must have left every layer it compresses
+        with that many channels per key (stored: ``keys.shape[-1]``; ``kvpress_zero``: that many channels not all zero
+        in every head): compression is verified, never assumed."""
+        for i in self.compressed:
+            layer = self._layers[i]
+            expected = self.method.expected_key_channels(layer.values.shape[-1])
+            if expected is None:
+                return
+            held = layer.keys.shape[-1] if layer.key_channels is not None else \
+                int((layer.keys != 0).any(dim=2).sum(-1).max())
+            if held > expected:
+                raise CompressionInactiveError(
+                    f"method {self.method.name!r} should keep {expected} key channels per head but layer {i} holds "
+                    f"keys with {held}; refusing to report its numbers; {versions_line()}"
+                )
 
     def _expected_compression(self) -> str:
         """What this sample's longest prompt must show for the method ("prefill", "decode", "attention") or "none"
@@ -480,12 +499,15 @@ class CompressionSession:
         selected = self.method.select(layer, ctx) if acts else None
         keys, values, valid = layer.keys, layer.values, layer.valid
         if selected is not None:
-            idx4 = selected.unsqueeze(-1).expand(*selected.shape, keys.shape[-1])
-            keys, values = torch.gather(keys, 2, idx4), torch.gather(values, 2, idx4)
+            idx = selected.unsqueeze(-1)
+            keys = torch.gather(keys, 2, idx.expand(*selected.shape, keys.shape[-1]))
+            values = torch.gather(values, 2, idx.expand(*selected.shape, values.shape[-1]))
             valid = torch.gather(valid, -1, selected) if valid is not None else None
+        if layer.key_channels is not None:  # channel-pruned keys (ThinK): q.k over the kept channels, the same scale
+            query = layer.gather_query(query)
         # the backend repeats KV heads by the model's group size: only valid for KV-head-granular caches
         fast = not (acts and self.method.needs_decode_probs) and valid is None and q_len == 1
-        fast = fast and keys.shape[1] == self.num_kv_heads
+        fast = fast and keys.shape[1] == self.num_kv_heads and layer.key_channels is None
         if fast:  # numerically the backend's own decode path (FullKV == plain generate)
             out, _ = backend(module, query, keys, values, None, **kwargs)
         else:
@@ -534,6 +556,9 @@ class CompressionSession:
         """Re-rotate keys so that relative distances equal those of a cache whose entries sit at 0..count-1."""
         if self.position_mode != "compact":
             return
+        if layer.key_channels is not None:
+            raise NotAvailableError(f"position_mode=compact re-rotates keys by RoPE pairs; method {self.method.name!r} "
+                                    "pruned key channels; use position_mode=original")
         rope_pos = layer.rope_pos if layer.rope_pos is not None else layer.positions.float()
 
         rank = real_rank(layer).float()

@@ -32,6 +32,7 @@ METHODS = Registry(
         "local": "kvbench.methods.local:LocalWindow",
         "lminfinite": "kvbench.methods.lminfinite:LMInfinite",
         "sirllm": "kvbench.methods.sirllm:SirLLM",
+        "think": "kvbench.methods.think:ThinK",
     },
     pending={},  # every method the five papers compare against is implemented (issue #4)
 )

@@ -117,6 +117,11 @@ class Method:
     def min_budget_reason(self) -> str:
         return "at least one token"
 
+    def expected_key_channels(self, head_dim: int) -> int | None:
+        """Key channels per head every compressed layer must hold after prefill, for a method that prunes key channels
+        (ThinK); None (default): the method keeps every channel. The session checks it (compression is verified)."""
+        return None
+
     def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
         """The layer's prompt attention output ``(B, n, Hq, D)`` when the method restricts prefill attention itself
         (LM-Infinite's Λ mask, CaM's start+recent mask), or None (default) for the backend's full causal attention.
