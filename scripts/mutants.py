@@ -45,6 +45,7 @@ H2O = ["tests/test_methods.py", PARITY, "-k", "not parity or h2o"]
 STREAMINGLLM = ["tests/test_methods.py", PARITY, "-k", "not parity or streamingllm"]
 CAM = ["tests/test_method_cam.py", PARITY, "-k", "not parity or cam"]
 BATCH = ["tests/test_batch_equals_single.py", "-k", "snapkv or pyramidkv or h2o"]
+THINK = ["tests/test_parity_kvpress_think.py"]
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,11 @@ MUTANTS = [
            "return probs[..., : n - ws].sum(-2)",
            "return probs[..., : n - ws].sum(-1)",
            DYNAMICKV, "eq. 4: the window's attention summed over its queries"),
+    # ---- ThinK (kvbench/methods/think.py) ---------------------------------------------------------------------
+    Mutant("think-key-norm-over-channels", "think", "kvbench/methods/think.py",
+           "k_norm = torch.pow(keys, 2).mean(dim=2)",
+           "k_norm = torch.pow(keys, 2).mean(dim=2, keepdim=True).mean(-1, keepdim=True).squeeze(2)",
+           THINK, "channel score: the keys' overall magnitude instead of each channel's (queries alone decide)"),
 ]
 
 

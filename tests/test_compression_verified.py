@@ -140,6 +140,22 @@ def test_an_evicting_method_that_kept_the_whole_prompt_is_an_error(toy_llama, mo
     _generate(toy_llama, "snapkv", 128, _prompt(100))  # a prompt within the budget keeps everything legitimately
 
 
+def test_think_that_kept_every_key_channel_is_an_error(toy_llama, monkeypatch):
+    """ThinK's tokens are SnapKV's (checked as SnapKV's); its key channels are checked on their own."""
+    from kvbench.methods.think import ThinK
+
+    stats, _ = _generate(toy_llama, "think", 48, _prompt(100))
+    assert stats.resident_kv_bytes_after_prefill == 3 * 2 * 48 * (8 + 16) * 4  # keys 8 of 16 channels
+    stats, _ = _generate(toy_llama, "think", 48, _prompt(100), storage="kvpress_zero")  # zeroed: checked too
+    assert stats.resident_kv_bytes_after_prefill == 3 * 2 * 48 * (16 + 16) * 4
+    monkeypatch.setattr(ThinK, "finish_prefill", lambda self, layers, ctx: self._window_queries.clear())
+    with pytest.raises(CompressionInactiveError, match="should keep 8 key channels per head but layer 0 holds keys "
+                                                       "with 16"):
+        _generate(toy_llama, "think", 48, _prompt(100))
+    with pytest.raises(CompressionInactiveError, match="should keep 8 key channels"):
+        _generate(toy_llama, "think", 48, _prompt(100), storage="kvpress_zero")
+
+
 def test_a_method_that_evicts_at_decode_is_checked_after_the_first_step(toy_llama, monkeypatch):
     """D2O's official code evicts from the first decode step on (never in layers 0, 1 and the last, so a model of
     four layers): a no-op decode must fail there."""
@@ -230,11 +246,13 @@ EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm
 PREFILL_ONLY = {"dynamickv", "kvmerger", "pyramidinfer", "pyramidkv", "snapkv"}
 ATTENDS_LESS = {"infllm", "omnikv", "quest"}  # everything resident, fewer entries attended per step
 KEEPS_ALL = {"fullkv", "pod"}  # POD without a block map is FullKV by definition (its memory is set by its window)
+KEY_CHANNELS = {"think"}  # SnapKV @ 128, then half of every key's channels leave: keys 32 of 64 dims
+THINK_TOKEN_BYTES = 30 * 3 * (32 + 64) * 4
 UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "snapkv"}
 
 
 def test_every_runnable_method_is_classified_here():
-    assert EVICTS_EVERY_STEP | PREFILL_ONLY | ATTENDS_LESS | KEEPS_ALL == set(RUNNABLE)
+    assert EVICTS_EVERY_STEP | PREFILL_ONLY | ATTENDS_LESS | KEEPS_ALL | KEY_CHANNELS == set(RUNNABLE)
 
 
 @pytest.mark.slow
@@ -246,7 +264,12 @@ def test_the_cache_holds_what_the_budget_says_on_smollm2(smol, essay_prompt, met
     assert stats.prompt_lens == [n] and len(out.tokens[0]) == 4 and steps == 3
     entries = stats.layer_entries_after_prefill
     assert len(entries) == 30
-    if method in EVICTS_EVERY_STEP | PREFILL_ONLY:
+    if method in KEY_CHANNELS:  # SnapKV's tokens, keys with half their channels, values whole
+        assert entries == [BUDGET] * 30
+        assert stats.resident_kv_bytes_after_prefill == BUDGET * THINK_TOKEN_BYTES == 4_423_680 == 0.75 * 5_898_240
+        assert out.resident_kv_bytes_final == (BUDGET + steps) * THINK_TOKEN_BYTES
+        assert stats.attended_tokens_mean == pytest.approx(BUDGET + (steps + 1) / 2)
+    elif method in EVICTS_EVERY_STEP | PREFILL_ONLY:
         assert stats.resident_kv_bytes_after_prefill == BUDGET * TOKEN_BYTES == 5_898_240
         if method == "kvmerger":  # heads padded to the budget; a head can end a few valid entries short (enforce)
             assert all(BUDGET - 8 <= e <= BUDGET for e in entries)
@@ -318,8 +341,13 @@ def test_the_cache_holds_what_the_budget_says_on_gemma3(gemma, gemma_prompt, met
     def attended(global_mean: float) -> float:  # a sliding layer attends its 511 entries and the step's own
         return (15 * GEMMA_WINDOW + 3 * global_mean) / 18
 
-    if method in EVICTS_EVERY_STEP | PREFILL_ONLY:
-        assert stats.resident_kv_bytes_after_prefill == window_bytes + 3 * BUDGET * GEMMA_ENTRY_BYTES == 16_484_352
+    if method in KEY_CHANNELS:  # the global layers' keys keep 128 of 256 channels; sliding layers are untouched
+        think_entry = 1 * (128 + 256) * 4
+        assert full_layers == [BUDGET] * 3
+        assert stats.resident_kv_bytes_after_prefill == window_bytes + 3 * BUDGET * think_entry
+        assert out.resident_kv_bytes_final == window_bytes + 3 * (BUDGET + steps) * think_entry
+        assert stats.attended_tokens_mean == pytest.approx(attended(BUDGET + (steps + 1) / 2))
+    elif method in EVICTS_EVERY_STEP | PREFILL_ONLY:
         if method == "kvmerger":
             assert all(BUDGET - 8 <= e <= BUDGET for e in full_layers)
         else:

@@ -81,6 +81,7 @@ class ThinK(Method):
     """
 
     name: ClassVar[str] = "think"
+    acts_as: ClassVar[str] = "where its inner token method acts; then once after prefill: prunes key channels"
     key_channel_compression_ratio: float = 0.5
     window: int = 32
     storage: str = "pruned"

@@ -76,6 +76,8 @@ def acts(cls: type) -> str:
     """Where a method acts: the hooks its class overrides, plus what it requires."""
     from kvbench.methods.base import Method
 
+    if getattr(cls, "acts_as", None):  # a composition (ThinK) acts where its inner method acts, then on its own
+        return cls.acts_as
     parts = [text for hook, text in HOOKS.items() if getattr(cls, hook) is not getattr(Method, hook)]
     if getattr(cls, "requires_training", False):
         parts.append("needs trained weights")
@@ -93,6 +95,8 @@ def _value(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # a composed method's inner method (ThinK's ``inner``)
+        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
