@@ -44,3 +44,57 @@ def digest(*arrays) -> str:
     for a in arrays:
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
+
+
+#: KVzip: (layers, query heads, KV heads, head dim, prefix (tokens before the context), context tokens, chunk size,
+#: repeat-prompt tokens before each chunk's copy, compression ratio (removed), layerwise)
+KVZIP_SHAPES = [
+    (3, 4, 4, 16, 0, 40, 2048, 6, 0.5, False),   # MHA, one chunk, no prefix
+    (3, 8, 2, 16, 5, 70, 32, 9, 0.6, False),     # GQA 4:1, three chunks, a chat prefix
+    (2, 4, 2, 32, 2, 50, 20, 7, 0.3, True),      # layerwise, prefix shorter than the sinks
+    (4, 6, 3, 16, 6, 64, 64, 5, 0.75, True),     # GQA 2:1, one chunk, layerwise
+]
+
+
+def kvzip_case(index: int, seed: int) -> dict:
+    layers, hq, hkv, d, prefix, ctx, chunk, extra, ratio, layerwise = KVZIP_SHAPES[index]
+    return {"index": index, "seed": seed, "layers": layers, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
+            "prefix": prefix, "context": ctx, "chunk_size": chunk, "repeat_extra": extra, "ratio": ratio,
+            "layerwise": layerwise, "n_sink": 4}
+
+
+def kvzip_chunks(case: dict) -> list[tuple[int, int]]:
+    """(start, end) of each reconstructed chunk in cache positions (the context starts after the prefix)."""
+    start, n, size = case["prefix"], case["prefix"] + case["context"], case["chunk_size"]
+    return [(s, min(s + size, n)) for s in range(start, n, size)]
+
+
+def kvzip_inputs(case: dict) -> dict:
+    """Per layer: the cached keys of prefix + context ``(1, Hkv, n, D)`` and, per chunk, the repeat forward's post-RoPE
+    queries ``(1, Hq, q, D)`` and keys ``(1, Hkv, q, D)`` (q = repeat_extra + chunk length), float32. A repeat query
+    resembles the key of the context token it copies (the reconstruction attends to it), plus noise."""
+    rng = np.random.RandomState(case["seed"])
+    hq, hkv, d = case["q_heads"], case["kv_heads"], case["head_dim"]
+    n = case["prefix"] + case["context"]
+    out = {"keys": [], "queries": [], "repeat_keys": []}
+    for _ in range(case["layers"]):
+        keys = rng.standard_normal((1, hkv, n, d)).astype(np.float32)
+        layer_q, layer_k = [], []
+        for start, end in kvzip_chunks(case):
+            q_len = case["repeat_extra"] + end - start
+            q = rng.standard_normal((1, hq, q_len, d)).astype(np.float32)
+            target = np.repeat(keys[:, :, start:end], hq // hkv, axis=1)
+            q[:, :, case["repeat_extra"]:] += np.float32(0.8) * target
+            layer_q.append(q)
+            layer_k.append(rng.standard_normal((1, hkv, q_len, d)).astype(np.float32))
+        out["keys"].append(keys)
+        out["queries"].append(layer_q)
+        out["repeat_keys"].append(layer_k)
+    return out
+
+
+def kvzip_digest(inputs: dict) -> str:
+    arrays = list(inputs["keys"])
+    for layer_q, layer_k in zip(inputs["queries"], inputs["repeat_keys"]):
+        arrays += list(layer_q) + list(layer_k)
+    return digest(*arrays)
