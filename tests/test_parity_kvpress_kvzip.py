@@ -3,8 +3,8 @@
 and KV head equal ``KVzipPress.compress_post``'s exactly (global and layerwise allocation, sinks, a chat prefix).
 
 The fixture ``tests/fixtures/parity/kvpress_kvzip.json`` was written by ``scripts/parity/kvpress/generate_kvzip.py``
-in the kvpress side environment; this test needs neither. The repeat forwards themselves are not compared: kvbench
-has no engine hook for them yet and ``method=kvzip`` is refused at plan time (test below).
+in the kvpress side environment; this test needs neither. The repeat forwards themselves (the engine's hook)
+are compared end to end on a tiny random Llama (``kvpress_kvzip_model.json``, ``generate_kvzip_model.py``).
 """
 
 from __future__ import annotations
@@ -65,16 +65,61 @@ def test_kvpress_kvzip_kept_entries(case):
     assert kept == case["kept"]
 
 
-def test_kvpress_kvzip_is_refused_at_plan_time_with_one_line():
-    from hydra import compose, initialize_config_dir
+MODEL_FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "parity" / "kvpress_kvzip_model.json").read_text())
+MODEL_TOLERANCE = 1e-5  # the repeat forwards' hidden states: kvpress's model under sdpa, kvbench's attention
 
-    from kvbench.config import CONF_DIR, register_resolvers
-    from kvbench.errors import NotAvailableError
-    from kvbench.jobs.plan import plan_job
 
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["method=kvzip", "budget=128"])
-    with pytest.raises(NotAvailableError) as info:
-        plan_job(cfg)
-    assert "\n" not in str(info.value) and "method 'kvzip' is configured but not implemented yet" in str(info.value)
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**MODEL_FIXTURE["model"], attn_implementation="sdpa")).eval()
+    weights = CASES.tiny_llama_weights([(name, tuple(p.shape)) for name, p in model.state_dict().items()])
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(torch.from_numpy(weights[name]))
+    return model.requires_grad_(False)
+
+
+@pytest.mark.parametrize("case", MODEL_FIXTURE["cases"], ids=lambda c: f"n{c['n']}-chunk{c['chunk_size']}")
+def test_kvpress_kvzip_end_to_end_on_a_tiny_llama(tiny_llama, case, monkeypatch):
+    """The whole method in the engine (prefill, the session's repeat forwards, scoring, eviction) against kvpress's
+    pipeline on the same model and tokens: scores within 1e-5, kept entries exact per layer and KV head."""
+    from helpers import ByteTokenizer
+    from kvbench.budget import Budget
+    from kvbench.engine import CompressionSession, greedy_generate
+    from kvbench.engine import generate as generate_module
+    from kvbench.engine.cache import KVCache
+    from kvbench.methods import build_method
+    from kvbench.methods.kvzip import KVzip
+
+    n = case["n"]
+    layers, heads = len(case["kept"]), len(case["kept"][0])
+    per = heads * n if case["layerwise"] else layers * heads * n
+    capacity = n - int(per * case["ratio"]) // (heads if case["layerwise"] else layers * heads)
+    assert (n - capacity) * (heads if case["layerwise"] else layers * heads) == int(per * case["ratio"])
+    budget = Budget.parse(capacity)
+    method = build_method({"name": "kvzip", "chunk_size": case["chunk_size"], "layerwise": case["layerwise"]}, budget)
+    scores, caches = [], []
+    finish = KVzip.finish_reconstruction
+
+    def recording(self, layers_):
+        scores.append(torch.stack([self._scores[i][0] for i in range(len(layers_))]))
+        finish(self, layers_)
+
+    class Recording(KVCache):
+        def __init__(self):
+            super().__init__()
+            caches.append(self)
+
+    monkeypatch.setattr(KVzip, "finish_reconstruction", recording)
+    monkeypatch.setattr(generate_module, "KVCache", Recording)
+    with CompressionSession(tiny_llama, method, budget, tokenizer=ByteTokenizer()) as session:
+        greedy_generate(tiny_llama, [CASES.kvzip_prompt(n, case["seed"])], 1, [], 0)
+    assert torch.allclose(scores[0], torch.tensor(case["scores"]), atol=MODEL_TOLERANCE, rtol=0)
+    kept = []
+    for layer in caches[0].layers:
+        valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+        kept.append([sorted(layer.positions[0, h][valid[0, h]].tolist()) for h in range(heads)])
+    assert kept == case["kept"]
+    assert sum(session.stats.layer_entries_after_prefill) == layers * capacity

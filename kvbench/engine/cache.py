@@ -227,6 +227,13 @@ class KVLayer(DynamicLayer):
         if count > 0:
             self._map_entries(lambda t: t[:, :, count:], lambda t: t[..., count:])
 
+    def drop_newest(self, count: int) -> None:
+        """Forget the ``count`` newest entries of every (batch, head) and their tokens (``seen``): a scoring forward's
+        tokens (KVzip's context reconstruction) leave the cache as if they were never fed."""
+        if count > 0:
+            self._map_entries(lambda t: t[:, :, :-count], lambda t: t[..., :-count])
+            self.seen -= count
+
     def keep_after(self, first: torch.Tensor) -> None:
         """Keep only entries at positions ``>= first`` ``(B, 1, 1)`` (a sliding window's reach after a method evicted
         inside it, so rows and heads may lose different numbers): a gather, invalid slots where a row keeps fewer."""

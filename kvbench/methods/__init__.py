@@ -33,12 +33,9 @@ METHODS = Registry(
         "lminfinite": "kvbench.methods.lminfinite:LMInfinite",
         "sirllm": "kvbench.methods.sirllm:SirLLM",
         "think": "kvbench.methods.think:ThinK",
+        "kvzip": "kvbench.methods.kvzip:KVzip",
     },
-    # every method the five papers compare against is implemented (issue #4); issue #27's KVzip needs extra model
-    # forwards (the context's reconstruction) that the engine cannot run for a method yet
-    pending={"kvzip": "issue #27: its context-reconstruction forwards need an engine hook for extra model passes "
-                      "that does not exist yet; its scoring and selection are in kvbench/methods/kvzip_ops.py, pinned "
-                      "against kvpress"},
+    pending={},  # every method the five papers compare against is implemented (issue #4)
 )
 
 

@@ -2,9 +2,8 @@
 authors' snu-mllab/KVzip): the score each cached context entry gets while the model reconstructs its chunk of the
 context, and which entries stay given every layer's scores.
 
-The repeat forwards that produce the queries (the model fed "Repeat the previous context exactly." and the chunk's
-tokens with the context's cache attached) need an engine hook that does not exist yet: ``method=kvzip`` is refused
-at plan time (``kvbench.methods.METHODS.pending``). These functions are pinned against kvpress on seeded inputs
+``KVzip`` (``kvzip.py``) uses them on the queries of the repeat forwards the engine runs for it
+(``Method.needs_reconstruction``). Pinned against kvpress on seeded inputs and end to end on a tiny Llama
 (``tests/test_parity_kvpress_kvzip.py``).
 """
 

@@ -41,6 +41,7 @@ HOOKS = {
     "prefill_attend": "computes the prompt attention itself",
     "prefill": "end of each layer's prefill",
     "finish_prefill": "once after prefill, over all layers",
+    "finish_reconstruction": "after prefill: extra forwards of the model score the entries, then it evicts",
     "select": "every decode step: selects what is attended",
     "attend": "every decode step: computes the attention itself",
     "decode": "after every decode step",

@@ -98,3 +98,36 @@ def kvzip_digest(inputs: dict) -> str:
     for layer_q, layer_k in zip(inputs["queries"], inputs["repeat_keys"]):
         arrays += list(layer_q) + list(layer_k)
     return digest(*arrays)
+
+
+# ---- KVzip end to end: a tiny random Llama, the same weights in both environments, a byte-level stub tokenizer ------
+TINY_LLAMA = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+              "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+              "tie_word_embeddings": False}
+#: (prompt tokens, chunk size, compression ratio (removed), layerwise, seed)
+KVZIP_MODEL_CASES = [
+    (90, 2048, 0.5, False, 11),   # one chunk, global allocation
+    (90, 32, 0.5, True, 12),      # three chunks, layerwise
+    (120, 48, 0.75, False, 13),   # three chunks, 3/4 removed
+]
+
+
+def tiny_llama_weights(names_shapes: list[tuple[str, tuple[int, ...]]], seed: int = 0) -> dict:
+    """Every parameter from numpy's legacy stream in name order (so both environments build the same model whatever
+    their transformers initialises): norms 1 + 0.1 N(0, 1), the rest 0.08 N(0, 1)."""
+    rng = np.random.RandomState(seed)
+    out = {}
+    for name, shape in sorted(names_shapes):
+        noise = rng.standard_normal(shape).astype(np.float32)
+        out[name] = (1 + np.float32(0.1) * noise) if name.endswith("norm.weight") else np.float32(0.08) * noise
+    return out
+
+
+def byte_encode(text: str) -> list[int]:
+    """The stub tokenizer both sides use: one id per UTF-8 byte, in the tiny vocabulary."""
+    return [3 + b % 250 for b in text.encode("utf-8")]
+
+
+def kvzip_prompt(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.RandomState(seed).randint(3, 253, size=n)]
