@@ -79,7 +79,7 @@ def main() -> None:
         "cases": cases,
     }
     path = REPO / "tests" / "fixtures" / "parity" / "kvpress_think.json"
-    path.write_text(json.dumps(fixture, indent=1) + "\n")
+    path.write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
     print(f"wrote {path}: {len(cases)} cases, skipped seeds {skipped}")
 
 
