@@ -94,3 +94,12 @@ def test_compact_positions_are_refused(toy_llama):
     with pytest.raises(NotAvailableError, match="position_mode=compact"):
         with CompressionSession(toy_llama, method, budget, position_mode="compact"):
             greedy_generate(toy_llama, [_prompt(120)], 2, [], 0)
+
+
+@pytest.mark.parametrize("name", ["think", "kvzip"])
+def test_static_decode_is_refused(toy_llama, name):
+    """engine.compile's static layers hold full-width keys (ThinK) and exist before KVzip's repeat forwards."""
+    budget = Budget.parse(48)
+    with pytest.raises(ConfigError, match="has no static decode step"):
+        with CompressionSession(toy_llama, build_method({"name": name}, budget), budget, compile="eager"):
+            pass
