@@ -46,6 +46,8 @@ STREAMINGLLM = ["tests/test_methods.py", PARITY, "-k", "not parity or streamingl
 CAM = ["tests/test_method_cam.py", PARITY, "-k", "not parity or cam"]
 BATCH = ["tests/test_batch_equals_single.py", "-k", "snapkv or pyramidkv or h2o"]
 SCORERS = ["tests/test_method_scorers.py", "tests/test_parity_kvpress.py"]
+THINK = ["tests/test_parity_kvpress_think.py"]
+KVZIP = ["tests/test_parity_kvpress_kvzip.py"]
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,16 @@ MUTANTS = [
            "chunk_scores = summed.view(complete, chunk).sum(-1)",
            "chunk_scores = summed.view(complete, chunk).amax(-1)",
            [*SCORERS, "-k", "chunkkv"], "chunk score: the chunk's maximum instead of its sum"),
+    # ---- ThinK (kvbench/methods/think.py) ---------------------------------------------------------------------
+    Mutant("think-key-norm-over-channels", "think", "kvbench/methods/think.py",
+           "k_norm = torch.pow(keys, 2).mean(dim=2)",
+           "k_norm = torch.pow(keys, 2).mean(dim=2, keepdim=True).mean(-1, keepdim=True).squeeze(2)",
+           THINK, "channel score: the keys' overall magnitude instead of each channel's (queries alone decide)"),
+    # ---- KVzip (kvbench/methods/kvzip_ops.py) ------------------------------------------------------------------
+    Mutant("kvzip-max-over-queries", "kvzip", "kvbench/methods/kvzip_ops.py",
+           "return probs[..., sink : sink + chunk].amax(dim=(-3, -2))",
+           "return probs[..., sink : sink + chunk].mean(dim=-2).amax(dim=-2)",
+           KVZIP, "score: the mean attention over the repeat queries instead of the max"),
 ]
 
 

@@ -213,3 +213,13 @@ def load_gemma3_270m():
         if "tokenizer from its GGUF file wrongly" not in str(exc):
             raise
         pytest.skip(str(exc))
+
+
+class ByteTokenizer:
+    """A stub tokenizer for methods that feed the model text of their own (KVzip's repeat prompt) on toy models: one id
+    per UTF-8 byte in a 256-token vocabulary, no chat template (``scripts/parity/kvpress/cases.byte_encode``)."""
+
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + b % 250 for b in text.encode("utf-8")]

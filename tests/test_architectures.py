@@ -25,7 +25,10 @@ from kvbench.methods import METHODS, build_method
 pytestmark = pytest.mark.compat
 
 NOT_ON_CPU = {"cla", "lococo", "offload"}
-RUNNABLE = sorted(set(METHODS.names()) - NOT_ON_CPU)
+# KVzip: full-attention layers only and its own repeat prompt (a tokenizer); covered by test_method_matrix and
+# test_parity_kvpress_kvzip (not run on the sliding-window families here)
+NOT_ON_SLIDING = {"kvzip"}
+RUNNABLE = sorted(set(METHODS.names()) - NOT_ON_CPU - NOT_ON_SLIDING)
 N = 300  # prompt tokens: beyond every window
 
 

@@ -39,10 +39,10 @@ def _prompt(n: int, seed: int = 1) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _generate(model, method_name: str, budget, prompt, new_tokens: int = 4, **fields):
+def _generate(model, method_name: str, budget, prompt, new_tokens: int = 4, tokenizer=None, **fields):
     b = Budget.parse(budget)
     method = build_method({"name": method_name, **fields}, b)
-    with CompressionSession(model, method, b) as session:
+    with CompressionSession(model, method, b, tokenizer=tokenizer) as session:
         out = greedy_generate(model, [prompt], new_tokens, [], 0)
     return session.stats, out
 
@@ -140,6 +140,37 @@ def test_an_evicting_method_that_kept_the_whole_prompt_is_an_error(toy_llama, mo
     _generate(toy_llama, "snapkv", 128, _prompt(100))  # a prompt within the budget keeps everything legitimately
 
 
+def test_think_that_kept_every_key_channel_is_an_error(toy_llama, monkeypatch):
+    """ThinK's tokens are SnapKV's (checked as SnapKV's); its key channels are checked on their own."""
+    from kvbench.methods.think import ThinK
+
+    stats, _ = _generate(toy_llama, "think", 48, _prompt(100))
+    assert stats.resident_kv_bytes_after_prefill == 3 * 2 * 48 * (8 + 16) * 4  # keys 8 of 16 channels
+    stats, _ = _generate(toy_llama, "think", 48, _prompt(100), storage="kvpress_zero")  # zeroed: checked too
+    assert stats.resident_kv_bytes_after_prefill == 3 * 2 * 48 * (16 + 16) * 4
+    monkeypatch.setattr(ThinK, "finish_prefill", lambda self, layers, ctx: self._window_queries.clear())
+    with pytest.raises(CompressionInactiveError, match="should keep 8 key channels per head but layer 0 holds keys "
+                                                       "with 16"):
+        _generate(toy_llama, "think", 48, _prompt(100))
+    with pytest.raises(CompressionInactiveError, match="should keep 8 key channels"):
+        _generate(toy_llama, "think", 48, _prompt(100), storage="kvpress_zero")
+
+
+def test_kvzip_that_evicted_nothing_after_its_repeat_forwards_is_an_error(toy_llama, monkeypatch):
+    """KVzip evicts only after the session's repeat forwards: the check runs there, not at the end of prefill."""
+    from helpers import ByteTokenizer
+    from kvbench.errors import NotAvailableError
+    from kvbench.methods.kvzip import KVzip
+
+    stats, _ = _generate(toy_llama, "kvzip", 48, _prompt(100), tokenizer=ByteTokenizer())
+    assert sum(stats.layer_entries_after_prefill) == 3 * 48
+    with pytest.raises(NotAvailableError, match="needs the model's tokenizer"):
+        _generate(toy_llama, "kvzip", 48, _prompt(100))
+    monkeypatch.setattr(KVzip, "finish_reconstruction", lambda self, layers: self._scores.clear())
+    with pytest.raises(CompressionInactiveError, match="kept all 100 tokens of the prompt in every layer after"):
+        _generate(toy_llama, "kvzip", 48, _prompt(100), tokenizer=ByteTokenizer())
+
+
 def test_a_method_that_evicts_at_decode_is_checked_after_the_first_step(toy_llama, monkeypatch):
     """D2O's official code evicts from the first decode step on (never in layers 0, 1 and the last, so a model of
     four layers): a no-op decode must fail there."""
@@ -233,6 +264,9 @@ ATTENDS_LESS = {"infllm", "omnikv", "quest"}  # everything resident, fewer entri
 KEEPS_ALL = {"fullkv", "pod"}  # POD without a block map is FullKV by definition (its memory is set by its window)
 UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "snapkv", "knorm", "keydiff",
            "expected_attention", "tova"}
+RECONSTRUCTS = {"kvzip"}  # scores by extra forwards of the model (needs its tokenizer); heads keep different numbers
+KEY_CHANNELS = {"think"}  # SnapKV @ 128, then half of every key's channels leave: keys 32 of 64 dims
+THINK_TOKEN_BYTES = 30 * 3 * (32 + 64) * 4
 
 
 # AdaKV: heads keep different numbers (H x budget per layer), the cache is as long as its longest head (padding
@@ -242,14 +276,16 @@ CHUNKS = {"chunkkv": 32 + 4 * 20}
 
 
 def test_every_runnable_method_is_classified_here():
-    assert EVICTS_EVERY_STEP | PREFILL_ONLY | ATTENDS_LESS | KEEPS_ALL | HEAD_BUDGETS | set(CHUNKS) == set(RUNNABLE)
+    assert EVICTS_EVERY_STEP | PREFILL_ONLY | ATTENDS_LESS | KEEPS_ALL | HEAD_BUDGETS | set(CHUNKS) | KEY_CHANNELS | \
+        RECONSTRUCTS == set(RUNNABLE)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", RUNNABLE)
 def test_the_cache_holds_what_the_budget_says_on_smollm2(smol, essay_prompt, method):
     n = len(essay_prompt)
-    stats, out = _generate(smol.model, method, None if method == "fullkv" else BUDGET, essay_prompt)
+    stats, out = _generate(smol.model, method, None if method == "fullkv" else BUDGET, essay_prompt,
+                           tokenizer=smol.tokenizer if method in RECONSTRUCTS else None)
     steps = out.decode_steps
     assert stats.prompt_lens == [n] and len(out.tokens[0]) == 4 and steps == 3
     entries = stats.layer_entries_after_prefill
@@ -262,6 +298,16 @@ def test_the_cache_holds_what_the_budget_says_on_smollm2(smol, essay_prompt, met
         assert entries == [CHUNKS[method]] * 30
         assert stats.resident_kv_bytes_after_prefill == CHUNKS[method] * TOKEN_BYTES
         assert out.resident_kv_bytes_final == (CHUNKS[method] + steps) * TOKEN_BYTES
+    elif method in RECONSTRUCTS:  # L x C entries over layers and heads, each layer's heads padded to its largest
+        assert sum(entries) == pytest.approx(30 * BUDGET, abs=0.15) and entries != [BUDGET] * 30  # means to 0.01
+        assert BUDGET * TOKEN_BYTES < stats.resident_kv_bytes_after_prefill < n * TOKEN_BYTES
+        assert out.resident_kv_bytes_final == stats.resident_kv_bytes_after_prefill + steps * TOKEN_BYTES
+        assert stats.attended_tokens_mean < n / 2
+    elif method in KEY_CHANNELS:  # SnapKV's tokens, keys with half their channels, values whole
+        assert entries == [BUDGET] * 30
+        assert stats.resident_kv_bytes_after_prefill == BUDGET * THINK_TOKEN_BYTES == 4_423_680 == 0.75 * 5_898_240
+        assert out.resident_kv_bytes_final == (BUDGET + steps) * THINK_TOKEN_BYTES
+        assert stats.attended_tokens_mean == pytest.approx(BUDGET + (steps + 1) / 2)
     elif method in EVICTS_EVERY_STEP | PREFILL_ONLY:
         assert stats.resident_kv_bytes_after_prefill == BUDGET * TOKEN_BYTES == 5_898_240
         if method == "kvmerger":  # heads padded to the budget; a head can end a few valid entries short (enforce)
@@ -321,6 +367,8 @@ def test_the_cache_holds_what_the_budget_says_on_gemma3(gemma, gemma_prompt, met
     """What each sliding layer holds is its window (511 entries between forwards, whatever the method); the global
     layers hold what the SmolLM2 arithmetic above says for a model of 3 layers."""
     n = len(gemma_prompt)
+    if method in RECONSTRUCTS:
+        pytest.skip("KVzip on Gemma 3: not run (kvpress refuses Gemma3ForCausalLM; kvbench's reading untested there)")
     stats, out = _generate(gemma.model, method, None if method == "fullkv" else BUDGET, gemma_prompt,
                            **GEMMA_FIELDS.get(method, {}))
     steps = out.decode_steps
@@ -334,7 +382,13 @@ def test_the_cache_holds_what_the_budget_says_on_gemma3(gemma, gemma_prompt, met
     def attended(global_mean: float) -> float:  # a sliding layer attends its 511 entries and the step's own
         return (15 * GEMMA_WINDOW + 3 * global_mean) / 18
 
-    if method in CHUNKS:
+    if method in KEY_CHANNELS:  # the global layers' keys keep 128 of 256 channels; sliding layers are untouched
+        think_entry = 1 * (128 + 256) * 4
+        assert full_layers == [BUDGET] * 3
+        assert stats.resident_kv_bytes_after_prefill == window_bytes + 3 * BUDGET * think_entry
+        assert out.resident_kv_bytes_final == window_bytes + 3 * (BUDGET + steps) * think_entry
+        assert stats.attended_tokens_mean == pytest.approx(attended(BUDGET + (steps + 1) / 2))
+    elif method in CHUNKS:
         assert full_layers == [CHUNKS[method]] * 3
         assert stats.resident_kv_bytes_after_prefill == window_bytes + 3 * CHUNKS[method] * GEMMA_ENTRY_BYTES
     elif method in EVICTS_EVERY_STEP | PREFILL_ONLY | HEAD_BUDGETS:  # one KV head: AdaKV allocates nothing here

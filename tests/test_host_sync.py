@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import ByteTokenizer
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
 from kvbench.engine.cache import KVLayer
@@ -54,7 +55,9 @@ def _count(model, method_name, budget, new_tokens, which) -> int:
     b = Budget.parse(budget)
     # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter
     fields = {"filter_layers": [0]} if method_name == "omnikv" else {}
-    with CompressionSession(model, build_method({"name": method_name, **fields}, b), b), CountOps(which) as mode:
+    tokenizer = ByteTokenizer()  # KVzip feeds the model its repeat prompt (no other method reads it)
+    with CompressionSession(model, build_method({"name": method_name, **fields}, b), b, tokenizer=tokenizer), \
+            CountOps(which) as mode:
         greedy_generate(model, [prompt], new_tokens, [], 0)
     return mode.count
 

@@ -108,5 +108,6 @@ def grouped_attention(
     if allowed is not None:
         logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
     probs = _softmax(logits, sinks, torch.float32)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, d)
+    # values keep head_dim where a channel-pruned cache gave keys (and the gathered query) fewer channels (ThinK)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, values.shape[-1])
     return out.transpose(1, 2).contiguous(), probs

@@ -8,7 +8,11 @@
 * ``valid``: ``(batch, heads, entries)`` bool, or None when every entry is valid. False marks left padding and the
   empty slots of rows that keep fewer entries than others; such entries are never attended;
 * ``state``: per-entry method state, e.g. H2O's accumulated attention ``(batch, heads, entries)``, gathered and
-  evicted together with the keys; ``row_state``: per-row method state ``(batch, ...)``, e.g. D2O's EMA threshold.
+  evicted together with the keys; ``row_state``: per-row method state ``(batch, ...)``, e.g. D2O's EMA threshold;
+* ``key_channels``: ``(batch, heads, kept)`` int64 ascending, or None: the key channels the layer keeps after a
+  channel-pruning method (ThinK, ``prune_key_channels``). Keys are then ``(batch, heads, entries, kept)`` (values
+  keep ``head_dim``), every later key is stored with the same channels, and attention gathers the queries to them
+  (``gather_query``): q.k over the kept channels only.
 
 ``get_seq_length`` reports the *logical* number of tokens seen (as ``DynamicSlidingWindowLayer`` does), which is
 what ``generate`` needs to slice inputs and number positions; the physical length is ``num_entries``.
@@ -34,6 +38,7 @@ class KVLayer(DynamicLayer):
         self.rope_pos: torch.Tensor | None = None  # position each key is currently rotated to (compact mode only)
         self.capacity = None  # (batch,) tokens this layer may keep per row (a tensor; see capacity_list)
         self.row_state: dict[str, torch.Tensor] = {}  # per-row method state, (batch, ...): e.g. D2O's EMA threshold
+        self.key_channels: torch.Tensor | None = None  # (batch, heads, kept) key channels kept (ThinK), or None
 
     # ---- transformers' layer API -------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -42,6 +47,8 @@ class KVLayer(DynamicLayer):
             rep = self.keys.shape[1] // key_states.shape[1]
             key_states = key_states.repeat_interleave(rep, dim=1)
             value_states = value_states.repeat_interleave(rep, dim=1)
+        if self.key_channels is not None:  # a channel-pruned cache stores every new key with the same channels
+            key_states = self._select_channels(key_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             bsz, heads = key_states.shape[:2]
@@ -76,6 +83,7 @@ class KVLayer(DynamicLayer):
         self.rope_pos = None
         self.capacity = None
         self.row_state = {}
+        self.key_channels = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotAvailableError(
@@ -93,6 +101,8 @@ class KVLayer(DynamicLayer):
         if self.capacity is not None:
             self.capacity = self.capacity[indices]
         self.row_state = {k: v[indices] for k, v in self.row_state.items()}
+        if self.key_channels is not None:
+            self.key_channels = self.key_channels[indices]
 
     # ---- kvbench API ---------------------------------------------------------------------------------------------
     @property
@@ -141,10 +151,8 @@ class KVLayer(DynamicLayer):
         index = torch.gather(index, -1, order)
         if keep_valid is not None:
             keep_valid = torch.gather(keep_valid, -1, order)
-        d = self.keys.shape[-1]
-        idx4 = index.unsqueeze(-1).expand(*index.shape, d)
-        self.keys = torch.gather(self.keys, 2, idx4)
-        self.values = torch.gather(self.values, 2, idx4)
+        self.keys = torch.gather(self.keys, 2, index.unsqueeze(-1).expand(*index.shape, self.keys.shape[-1]))
+        self.values = torch.gather(self.values, 2, index.unsqueeze(-1).expand(*index.shape, self.values.shape[-1]))
         self.positions = torch.gather(self.positions, -1, index)
         valid = torch.gather(self.valid, -1, index) if self.valid is not None else None
         if keep_valid is not None:
@@ -169,6 +177,27 @@ class KVLayer(DynamicLayer):
         self.state = {k: v.repeat_interleave(group, dim=1) for k, v in self.state.items()}
         if self.rope_pos is not None:
             self.rope_pos = self.rope_pos.repeat_interleave(group, dim=1)
+        if self.key_channels is not None:
+            self.key_channels = self.key_channels.repeat_interleave(group, dim=1)
+
+    def prune_key_channels(self, channels: torch.Tensor) -> None:
+        """Keep only key channels ``channels`` ``(batch, heads, kept)`` (ascending) of every entry: the keys become
+        ``(batch, heads, entries, kept)``, fresh tensors (the pruned channels leave memory); values are untouched.
+        Later keys (``update``) are stored with the same channels; attention gathers the queries (``gather_query``)."""
+        if self.key_channels is not None:
+            raise ValueError("the layer's key channels were pruned already")
+        self.key_channels = channels
+        self.keys = self._select_channels(self.keys)
+
+    def gather_query(self, query: torch.Tensor) -> torch.Tensor:
+        """``query`` ``(batch, q_heads, q, head_dim)`` at the kept key channels of its KV head: ``(batch, q_heads, q,
+        kept)``, query head h on KV head h // (q_heads / heads) (GQA), so that q.k runs over the kept channels."""
+        group = query.shape[1] // self.key_channels.shape[1]
+        channels = self.key_channels.repeat_interleave(group, dim=1) if group > 1 else self.key_channels
+        return torch.gather(query, -1, channels.unsqueeze(2).expand(-1, -1, query.shape[2], -1))
+
+    def _select_channels(self, keys: torch.Tensor) -> torch.Tensor:
+        return torch.gather(keys, -1, self.key_channels.unsqueeze(2).expand(-1, -1, keys.shape[2], -1))
 
     def evict_one(self, index: torch.Tensor) -> None:
         """Evict one entry per (batch, head): ``index`` ``(batch, heads)``; the others keep their order.
@@ -179,8 +208,9 @@ class KVLayer(DynamicLayer):
         b, h = index.shape
         keep = torch.arange(n - 1, device=index.device).expand(b, h, n - 1)
         keep = keep + (keep >= index.unsqueeze(-1)).long()
-        idx4 = keep.unsqueeze(-1).expand(b, h, n - 1, self.keys.shape[-1])
-        self._map_entries(lambda t: torch.gather(t, 2, idx4), lambda t: torch.gather(t, -1, keep))
+        idx4 = keep.unsqueeze(-1)
+        self._map_entries(lambda t: torch.gather(t, 2, idx4.expand(b, h, n - 1, t.shape[-1])),
+                          lambda t: torch.gather(t, -1, keep))
 
     def evict_at(self, index: int) -> None:
         """Evict the entry at ``index`` of every (batch, head): the same as ``evict_one`` with a constant index
@@ -196,6 +226,13 @@ class KVLayer(DynamicLayer):
         cache keeps ``full[:, :, -(window - 1):]``): a sliding layer that no method touches is a contiguous tail."""
         if count > 0:
             self._map_entries(lambda t: t[:, :, count:], lambda t: t[..., count:])
+
+    def drop_newest(self, count: int) -> None:
+        """Forget the ``count`` newest entries of every (batch, head) and their tokens (``seen``): a scoring forward's
+        tokens (KVzip's context reconstruction) leave the cache as if they were never fed."""
+        if count > 0:
+            self._map_entries(lambda t: t[:, :, :-count], lambda t: t[..., :-count])
+            self.seen -= count
 
     def keep_after(self, first: torch.Tensor) -> None:
         """Keep only entries at positions ``>= first`` ``(B, 1, 1)`` (a sliding window's reach after a method evicted

@@ -32,7 +32,7 @@ from kvbench.engine.architecture import (
 )
 from kvbench.engine.attention import ACTIVE_SESSION, backend_function, grouped_attention, register_backends
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
-from kvbench.engine.compat import find_cache, output_cache, versions_line
+from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versions_line
 from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
 from kvbench.engine.rope import rotate_keys
@@ -69,13 +69,17 @@ class CompressionSession:
     (default) is ``window``, or ``compress`` on a model whose every layer slides (Mistral v0.1)."""
 
     def __init__(self, model, method: Method, budget: Budget, position_mode: str = "original",
-                 sliding_layers: str = "auto", compile: bool | str = False):
+                 sliding_layers: str = "auto", compile: bool | str = False, tokenizer=None):
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"position_mode={position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
         if sliding_layers not in SLIDING_POLICIES:
             raise ConfigError(f"sliding_layers={sliding_layers!r} is not valid; valid: {', '.join(SLIDING_POLICIES)}")
         self.model = model
         self.method = method
+        #: the model's tokenizer, for methods that feed the model text of their own (KVzip's repeat prompt)
+        self.tokenizer = tokenizer
+        self._reconstruct_pending = False  # needs_reconstruction: the prompt's forward ended, its repeat forwards not
+        self._reconstructing: tuple[int, int] | None = None  # the chunk [start, end) a repeat forward reconstructs
         self.budget = budget
         self.position_mode = position_mode
         self.sliding_layers = sliding_layers
@@ -154,6 +158,12 @@ class CompressionSession:
             self.model.register_forward_pre_hook(self._start_forward, with_kwargs=True),
             self.model.register_forward_hook(self._check_forward, with_kwargs=True),
         ]
+        if getattr(self.method, "needs_reconstruction", False) and not self.budget.is_full:
+            if self.tokenizer is None:
+                self.__exit__()
+                raise NotAvailableError(f"method {self.method.name!r} feeds the model a repeat prompt: the session "
+                                        "needs the model's tokenizer (CompressionSession(..., tokenizer=...))")
+            self._hooks.append(self.model.register_forward_hook(self._reconstruct, with_kwargs=True))
         if self.method.needs_logits:
             _check_plain_logit_head(self.model)
             self._hooks += [
@@ -281,6 +291,50 @@ class CompressionSession:
         if prefill:  # the method may have compressed the prompt only now: measure what stays
             self._record_prefill_stats(layers, check=True)
 
+    # ---- scoring forwards: KVzip's context reconstruction (Method.needs_reconstruction) --------------------------
+    def _reconstruct(self, module, args, kwargs, output):
+        """After the prompt's forward of a method that scores entries by the context's reconstruction: one forward
+        per chunk ``Method.reconstruction_chunks`` gives (the repeat prompt and the chunk's tokens, with the cache
+        attached), each layer attending over the whole cache as usual and handing the method the repeat tokens'
+        queries (``Method.score_reconstruction``); the repeat tokens then leave the cache (``KVLayer.drop_newest``).
+        Then ``Method.finish_reconstruction`` evicts, and the prompt's resident bytes are measured and checked."""
+        if not self._reconstruct_pending or self._reconstructing is not None:
+            return
+        self._reconstruct_pending = False
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            raise NotAvailableError(f"method {self.method.name!r} reconstructs the input tokens: call the model with "
+                                    "input_ids (inputs_embeds were given)")
+        layers = [self._layers[i] for i in sorted(self._attention_layers)]
+        cache, device = self._cache, input_ids.device
+        try:
+            for start, end, ids in self.method.reconstruction_chunks(input_ids[0].tolist(), self.tokenizer):
+                first, q = layers[0].seen, len(ids)
+                self._reconstructing = (start, end)
+                self.model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1,
+                           position_ids=torch.arange(first, first + q, device=device).view(1, -1),
+                           **cache_kwargs(self.model, cache))
+                for layer in layers:
+                    layer.drop_newest(q)
+        finally:
+            self._reconstructing = None
+        self.method.finish_reconstruction([self._layers[i] for i in self.compressed])
+        self._record_prefill_stats(layers, check=True)
+
+    def _reconstruct_attend(self, backend, module, layer, query, kwargs):
+        """A repeat forward's layer: the model's attention over the whole cache (causal among the repeat tokens), and
+        the method's scores from the repeat tokens' queries. No decode statistics, no decode hook."""
+        idx = module.layer_idx
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        ctx = DecodeContext(layer_idx=self._method_index.get(idx, idx), num_layers=len(self.compressed),
+                            num_kv_heads=layer.values.shape[1], query=query, probs=None, capacity=layer.capacity,
+                            scaling=scaling)
+        out, _, _ = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs, acts=False)
+        if idx in self._method_index:
+            start, end = self._reconstructing
+            self.method.score_reconstruction(self._method_index[idx], layer, query, start, end, scaling)
+        return out, None
+
     # ---- the attention call ------------------------------------------------------------------------------------
     def attend(self, impl, module, query, key, value, attention_mask, **kwargs):
         layer = self._layers.get(module.layer_idx)
@@ -289,6 +343,8 @@ class CompressionSession:
             return backend(module, query, key, value, attention_mask, **kwargs)
         self._attached.add(module.layer_idx)
         idx = module.layer_idx
+        if self._reconstructing is not None:
+            return self._reconstruct_attend(backend, module, layer, query, kwargs)
         q_len = query.shape[2]
         position_ids = kwargs.get("position_ids")
         static = isinstance(layer, StaticKVLayer)
@@ -385,8 +441,11 @@ class CompressionSession:
             self.method.finish_prefill([self._layers[i] for i in self.compressed], ctx)
         for i in self.compressed:  # compact positions are the compressed layers' (their RoPE: _rope_inv_freq)
             self._rerotate(self._layers[i])
-        # a method that scores by the model's predictions evicts only in observe_logits: it checks there
-        self._record_prefill_stats(layers, check=not self.method.needs_logits)
+        # a method that scores by the model's predictions evicts only in observe_logits, one that scores entries by
+        # the context's reconstruction only after its repeat forwards (_reconstruct): each checks there
+        reconstructs = getattr(self.method, "needs_reconstruction", False) and not self.budget.is_full
+        self._reconstruct_pending = reconstructs
+        self._record_prefill_stats(layers, check=not self.method.needs_logits and not reconstructs)
         if self.compile:
             self._to_static()
 
@@ -397,6 +456,25 @@ class CompressionSession:
         self.stats.layer_entries_after_prefill = [int(m) if m.is_integer() else round(m, 2) for m in means]
         if check and self._expected_compression() == "prefill":
             self._check_evicted("after prefill")
+        if check and not self.budget.is_full:
+            self._check_key_channels()
+
+    def _check_key_channels(self) -> None:
+        """A method that prunes key channels (``Method.expected_key_channels``) must have left every layer it compresses
+        with that many channels per key (stored: ``keys.shape[-1]``; ``kvpress_zero``: that many channels not all zero
+        in every head): compression is verified, never assumed."""
+        for i in self.compressed:
+            layer = self._layers[i]
+            expected = self.method.expected_key_channels(layer.values.shape[-1])
+            if expected is None:
+                return
+            held = layer.keys.shape[-1] if layer.key_channels is not None else \
+                int((layer.keys != 0).any(dim=2).sum(-1).max())
+            if held > expected:
+                raise CompressionInactiveError(
+                    f"method {self.method.name!r} should keep {expected} key channels per head but layer {i} holds "
+                    f"keys with {held}; refusing to report its numbers; {versions_line()}"
+                )
 
     def _expected_compression(self) -> str:
         """What this sample's longest prompt must show for the method ("prefill", "decode", "attention") or "none"
@@ -488,12 +566,15 @@ class CompressionSession:
         selected = self.method.select(layer, ctx) if acts else None
         keys, values, valid = layer.keys, layer.values, layer.valid
         if selected is not None:
-            idx4 = selected.unsqueeze(-1).expand(*selected.shape, keys.shape[-1])
-            keys, values = torch.gather(keys, 2, idx4), torch.gather(values, 2, idx4)
+            idx = selected.unsqueeze(-1)
+            keys = torch.gather(keys, 2, idx.expand(*selected.shape, keys.shape[-1]))
+            values = torch.gather(values, 2, idx.expand(*selected.shape, values.shape[-1]))
             valid = torch.gather(valid, -1, selected) if valid is not None else None
+        if layer.key_channels is not None:  # channel-pruned keys (ThinK): q.k over the kept channels, the same scale
+            query = layer.gather_query(query)
         # the backend repeats KV heads by the model's group size: only valid for KV-head-granular caches
         fast = not (acts and self.method.needs_decode_probs) and valid is None and q_len == 1
-        fast = fast and keys.shape[1] == self.num_kv_heads
+        fast = fast and keys.shape[1] == self.num_kv_heads and layer.key_channels is None
         if fast:  # numerically the backend's own decode path (FullKV == plain generate)
             out, _ = backend(module, query, keys, values, None, **kwargs)
         else:
@@ -542,6 +623,9 @@ class CompressionSession:
         """Re-rotate keys so that relative distances equal those of a cache whose entries sit at 0..count-1."""
         if self.position_mode != "compact":
             return
+        if layer.key_channels is not None:
+            raise NotAvailableError(f"position_mode=compact re-rotates keys by RoPE pairs; method {self.method.name!r} "
+                                    "pruned key channels; use position_mode=original")
         rope_pos = layer.rope_pos if layer.rope_pos is not None else layer.positions.float()
 
         rank = real_rank(layer).float()

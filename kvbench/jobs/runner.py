@@ -62,6 +62,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
                    unit="sample", disable=None)
         def new_session() -> CompressionSession:
             return CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode,
+                                      tokenizer=loaded.tokenizer,
                                       sliding_layers=cfg.get("sliding_layers", "auto"),
                                       compile=bool((cfg.get("engine") or {}).get("compile", False)))
 

@@ -38,6 +38,8 @@ METHODS = Registry(
         "expected_attention": "kvbench.methods.expected_attention:ExpectedAttention",
         "adakv": "kvbench.methods.adakv:AdaKV",
         "chunkkv": "kvbench.methods.chunkkv:ChunkKV",
+        "think": "kvbench.methods.think:ThinK",
+        "kvzip": "kvbench.methods.kvzip:KVzip",
     },
     pending={},  # every method the five papers compare against is implemented (issue #4)
 )

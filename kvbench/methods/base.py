@@ -17,7 +17,12 @@ three points, one layer at a time (plus one call across layers after prefill) an
   ``decode`` follows with ``ctx.probs`` as the method left it (None unless it set them);
 * ``observe_logits(layers, input_ids, logits)`` after every forward of the model (the prompt, then each decode step),
   before the next one, only for methods that set ``needs_logits`` (SirLLM scores tokens by their surprisal under the
-  model): ``logits`` gives the model's log-probabilities of chosen tokens (``engine.session.TokenLogits``).
+  model): ``logits`` gives the model's log-probabilities of chosen tokens (``engine.session.TokenLogits``);
+* ``reconstruction_chunks`` / ``score_reconstruction`` / ``finish_reconstruction``, only for methods that set
+  ``needs_reconstruction`` (KVzip): after the prompt's forward the session feeds the model each chunk's token ids the
+  method gives (a repeat prompt and the chunk) with the cache attached, calls ``score_reconstruction`` at every layer
+  it compresses with those tokens' queries, drops their entries again, and finally calls ``finish_reconstruction``
+  (the eviction); the prompt's resident bytes are measured after it. The session needs the model's tokenizer.
 
 Methods change the cache only through ``KVLayer.gather`` / ``KVLayer.evict_one`` (real eviction) or by assigning
 new tensors (merging), so resident memory is what the method keeps.
@@ -57,6 +62,8 @@ class Method:
     requires_cuda: ClassVar[bool] = False
     #: a method that scores tokens by the model's predictions sets this: the session then calls ``observe_logits``
     needs_logits: ClassVar[bool] = False
+    #: a method that scores entries by extra forwards of the model over text of its own (KVzip's context reconstruction)
+    needs_reconstruction: ClassVar[bool] = False
     #: what a prompt longer than a finite budget must show, checked by the session (compression is verified, never
     #: assumed): "prefill" (some layer holds fewer entries than the prompt after prefill), "decode" (the same after the
     #: first decode step: a method that evicts only then), "attention" (the first decode step attends to fewer entries
@@ -117,6 +124,11 @@ class Method:
     def min_budget_reason(self) -> str:
         return "at least one token"
 
+    def expected_key_channels(self, head_dim: int) -> int | None:
+        """Key channels per head every compressed layer must hold after prefill, for a method that prunes key channels
+        (ThinK); None (default): the method keeps every channel. The session checks it (compression is verified)."""
+        return None
+
     def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
         """The layer's prompt attention output ``(B, n, Hq, D)`` when the method restricts prefill attention itself
         (LM-Infinite's Λ mask, CaM's start+recent mask), or None (default) for the backend's full causal attention.
@@ -172,6 +184,19 @@ class Method:
         scored ``input_ids[:, 0]``), None after a prompt. The method may evict here (``keep_top``); the session
         measures the prompt's resident bytes after this call.
         """
+
+    def reconstruction_chunks(self, prompt_ids: list[int], tokenizer) -> list[tuple[int, int, list[int]]]:
+        """``needs_reconstruction``: per scoring forward, the prompt entries ``[start, end)`` it scores and the token
+        ids fed to the model (batch 1). Default: none."""
+        return []
+
+    def score_reconstruction(self, layer_idx: int, layer: KVLayer, query: torch.Tensor, start: int, end: int,
+                             scaling: float) -> None:
+        """``needs_reconstruction``: one scoring forward's layer ``layer_idx``; ``layer`` holds the prompt's entries
+        then the forward's own, ``query`` ``(B, Hq, q, D)`` its post-RoPE queries."""
+
+    def finish_reconstruction(self, layers: list[KVLayer]) -> None:
+        """``needs_reconstruction``: after the last scoring forward, every layer the method compresses (evict here)."""
 
     def budget_label(self, budget: Budget) -> str | None:
         """How results of this method are filed and keyed; None: the budget's own label. A method whose memory is

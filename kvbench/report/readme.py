@@ -41,6 +41,7 @@ HOOKS = {
     "prefill_attend": "computes the prompt attention itself",
     "prefill": "end of each layer's prefill",
     "finish_prefill": "once after prefill, over all layers",
+    "finish_reconstruction": "after prefill: extra forwards of the model score the entries, then it evicts",
     "select": "every decode step: selects what is attended",
     "attend": "every decode step: computes the attention itself",
     "decode": "after every decode step",
@@ -76,6 +77,8 @@ def acts(cls: type) -> str:
     """Where a method acts: the hooks its class overrides, plus what it requires."""
     from kvbench.methods.base import Method
 
+    if getattr(cls, "acts_as", None):  # a composition (ThinK) acts where its inner method acts, then on its own
+        return cls.acts_as
     parts = [text for hook, text in HOOKS.items() if getattr(cls, hook) is not getattr(Method, hook)]
     if getattr(cls, "requires_training", False):
         parts.append("needs trained weights")
@@ -93,6 +96,8 @@ def _value(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # a composed method's inner method (ThinK's ``inner``)
+        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
