@@ -25,7 +25,9 @@ def test_list_is_well_formed(mutants):
     ids = [m.id for m in mutants.MUTANTS]
     assert len(ids) == len(set(ids))
     assert {m.method for m in mutants.MUTANTS} == {"omnikv", "kvmerger", "pod", "d2o", "dynamickv", "snapkv",
-                                                   "pyramidkv", "h2o", "streamingllm", "cam", "think", "kvzip"}
+                                                   "pyramidkv", "h2o", "streamingllm", "cam", "think", "kvzip",
+                                                   "knorm", "keydiff", "tova", "expected_attention", "adakv",
+                                                   "chunkkv"}
     for m in mutants.MUTANTS:
         assert m.original != m.mutated and m.tests, m.id
         assert all((ROOT / t).is_file() for t in m.tests if t.endswith(".py")), m.id
