@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from kvbench.errors import ConfigError
 from kvbench.metrics.ruler import postprocess_pred
 from kvbench.tasks import check_int, check_int_list, check_stop_strings, check_str, protocol_fields
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import Sample, Task, question_from
 from kvbench.tasks.ruler import qa
 from kvbench.tasks.ruler.common import GENERATORS, TASK_ARGS, TEMPLATES, Prompting
 from kvbench.tasks.ruler.common_words import CommonWordsGenerator
@@ -30,6 +30,10 @@ from kvbench.tasks.ruler.variable_tracking import VariableTrackingGenerator
 RULER_TASKS: list[str] = list(TASK_ARGS)  # synthetic.yaml order = config_tasks.sh order
 QA_TASKS = {name: args["args"]["dataset"] for name, args in TASK_ARGS.items() if args["task"] == "qa"}
 MIN_LENGTH = 256
+
+#: per generator, the template's literal text that starts the question (what follows ``{context}`` up to the first
+#: placeholder): ``Sample.question`` is the prompt from its last occurrence on
+QUESTION_STARTS = {g: spec["template"].split("{context}")[-1].split("{")[0] for g, spec in GENERATORS.items()}
 
 
 @dataclass
@@ -51,6 +55,7 @@ class RulerTask(Task):
     """
 
     name: ClassVar[str] = "ruler"
+    separable_question: ClassVar[bool] = True  # every generator's template asks after {context}
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "ruler_string_match"
 
@@ -141,6 +146,7 @@ class RulerTask(Task):
         return Sample(
             id=f"{task}/L{length}/{row['index']}",
             prompt=row["input"],
+            question=question_from(row["input"], QUESTION_STARTS[generator]),
             answers=[str(a) for a in row["outputs"]],
             assistant_prefix=row["answer_prefix"],
             max_new_tokens=new_tokens,
