@@ -21,7 +21,7 @@ from kvbench.tasks.ruler import qa
 from kvbench.tasks.ruler.common import GENERATORS, TASK_ARGS, TEMPLATES, Prompting
 from kvbench.tasks.ruler.common_words import CommonWordsGenerator
 from kvbench.tasks.ruler.freq_words import FreqWordsGenerator
-from kvbench.tasks.ruler.niah import NiahGenerator
+from kvbench.tasks.ruler.niah import SINGULAR, NiahGenerator
 from kvbench.tasks.ruler.qa import QAGenerator
 from kvbench.tasks.ruler.resources import PUNKT_SOURCE, WONDERWORDS_VERSIONS
 from kvbench.tasks.ruler.scoring import TASK_METRIC, aggregate_scores, sample_score
@@ -31,9 +31,25 @@ RULER_TASKS: list[str] = list(TASK_ARGS)  # synthetic.yaml order = config_tasks.
 QA_TASKS = {name: args["args"]["dataset"] for name, args in TASK_ARGS.items() if args["task"] == "qa"}
 MIN_LENGTH = 256
 
-#: per generator, the template's literal text that starts the question (what follows ``{context}`` up to the first
-#: placeholder): ``Sample.question`` is the prompt from its last occurrence on
-QUESTION_STARTS = {g: spec["template"].split("{context}")[-1].split("{")[0] for g, spec in GENERATORS.items()}
+
+
+def _question_starts(generator: str) -> tuple[str, ...]:
+    """The template's literal text that starts the question (what follows ``{context}`` up to the first placeholder),
+    and for NIAH its singular form (niah.py rewrites the template when one value is asked)."""
+    start = GENERATORS[generator]["template"].split("{context}")[-1].split("{")[0]
+    singular = start
+    for old, new in SINGULAR:
+        singular = singular.replace(old, new)
+    return (start, singular) if generator == "niah" else (start,)
+
+
+#: per generator: ``Sample.question`` is the prompt from the last occurrence of one of these on
+QUESTION_STARTS = {g: _question_starts(g) for g in GENERATORS}
+
+
+def _question(prompt: str, generator: str) -> str:
+    start = max(QUESTION_STARTS[generator], key=prompt.rfind)
+    return question_from(prompt, start)
 
 
 @dataclass
@@ -146,7 +162,7 @@ class RulerTask(Task):
         return Sample(
             id=f"{task}/L{length}/{row['index']}",
             prompt=row["input"],
-            question=question_from(row["input"], QUESTION_STARTS[generator]),
+            question=_question(row["input"], generator),
             answers=[str(a) for a in row["outputs"]],
             assistant_prefix=row["answer_prefix"],
             max_new_tokens=new_tokens,
