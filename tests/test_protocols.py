@@ -108,7 +108,12 @@ def test_context_and_question_ids_are_exactly_the_full_encoding(tokenizer, overr
 @pytest.mark.parametrize("overrides, message", [
     (("task=truthfulqa", "question=after_compression"),
      "task 'truthfulqa' cannot separate its question from the context (question=after_compression); tasks that "
-     "can: needle, needle_kvpress, needle_multiturn, needle_retrieval_head, passkey, ruler"),
+     "can: 2stageretr, infinitebench, leval, longbench, longbench_e, longbench_zh, needle, needle_kvpress, "
+     "needle_multiturn, needle_retrieval_head, passkey, ruler, zeroscrolls"),
+    (("task=pg19", "question=after_compression"), "task 'pg19' cannot separate its question"),
+    (("task=infinitebench", "task.chat_template=true", "question=after_compression"),
+     "task 'infinitebench' cannot separate the question of math_calc from the context"),
+    (("task=leval", "question=after_compression"), "task 'leval' cannot separate the question of sci_fi"),
     (("task=passkey", "method=omnikv", "question=after_compression"), "method 'omnikv' cannot take the question"),
     (("task=passkey", "method=quest", "question=after_compression"), "method 'quest' cannot take the question"),
     (("task=passkey", "method=pod", "question=after_compression"), "method 'pod' cannot take the question"),
@@ -272,3 +277,49 @@ def test_a_three_turn_job_records_three_scores_one_cache_and_resident_kv_per_tur
     for prev, turn in zip(turns, turns[1:]):  # keep: each turn starts where the previous one ended
         assert turn["resident_after_question"][0] == prev["resident_final"][0] + turn["fed_tokens"]
     assert len({tuple(t["answers"]) for t in turns}) == 3
+
+
+# ---- the other benchmarks: their question follows the context in every prompt template ------------------------------
+ESSAY = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 30).strip()
+
+
+def _other_samples(name: str, tokenizer, **fields):
+    """Samples of a benchmark built from synthetic rows by the task's own ``make_sample``: no download."""
+    job = plan_job(_cfg("model=tiny-random", f"task={name}", *(f"task.{k}={v}" for k, v in fields.items())))
+    task = job.task
+    if name == "longbench":
+        rows = {d: {"context": ESSAY, "input": "Who is blue?", "answers": ["sky"], "_id": d, "length": 300,
+                    "all_classes": ["a", "b"], "language": "en"} for d in ("hotpotqa", "trec", "lcc", "gov_report")}
+        return job, [task.make_sample(d, 0, row) for d, row in rows.items()]
+    if name == "infinitebench":
+        rows = {"passkey": {"context": ESSAY, "input": "What is the pass key?", "answer": ["12345"], "id": 0},
+                "longbook_qa_eng": {"context": ESSAY, "input": "What is green?", "answer": ["grass"], "id": 1},
+                "code_run": {"context": "def func_1(x):\n    return x", "input": "func_1(3)", "answer": [3], "id": 2}}
+        return job, [task.make_sample(d, i, row) for i, (d, row) in enumerate(rows.items())]
+    if name == "zeroscrolls":
+        text = f"Answer the question.\n\nStory:\n{ESSAY}\n\nQuestion:\nWhat is blue?\n\nAnswer:\n"
+        start = text.index("Question:")
+        row = {"input": text, "query_start_index": start, "query_end_index": len(text), "id": "x",
+               "truncation_seperator": "... [The rest of the story is omitted]\n\n"}
+        return job, [task.make_sample("narrative_qa", row, ["the sky"])]
+    if name == "leval":
+        return job, [s for d in ("quality", "narrative_qa", "codeU")
+                     for s in task.make_samples(d, 0, 0, 0, ESSAY, "What is blue?", "the sky")]
+    return job, task.samples(tokenizer)[:3]
+
+
+@pytest.mark.parametrize("name, fields", [
+    ("longbench", {}), ("infinitebench", {}), ("infinitebench", {"chat_template": "true", "datasets": "[passkey]"}),
+    ("zeroscrolls", {}), ("zeroscrolls", {"prompt_format": "completion"}), ("leval", {"datasets": "[quality]"}),
+    ("leval", {"prompt_format": "llama2", "datasets": "[quality]"}), ("2stageretr", {"num_samples": 3}),
+    ("2stageretr", {"cot": "false", "num_samples": 3}),
+])
+def test_other_benchmarks_split_into_exactly_their_encoding(tokenizer, name, fields):
+    from kvbench.tasks.encoding import encode_sample, encode_split
+
+    job, samples = _other_samples(name, tokenizer, **fields)
+    for sample in samples:
+        assert sample.question, sample.id
+        full = encode_sample(job.task, sample, tokenizer, job.spec)
+        context, question = encode_split(job.task, sample, tokenizer, job.spec)
+        assert context + question == full and question and len(context) > 5, sample.id

@@ -133,6 +133,10 @@ def _question_protocol(cfg: DictConfig, task: Any, method: Any) -> tuple[str, in
         can = [n for n in TASKS.names() if getattr(TASKS.get_class(n), "separable_question", False)]
         raise ConfigError(f"task {task.name!r} cannot separate its question from the context "
                           f"(question=after_compression); tasks that can: {', '.join(can)}")
+    parts = task.inseparable()
+    if parts:
+        raise ConfigError(f"task {task.name!r} cannot separate the question of {', '.join(parts)} from the context "
+                          f"(question=after_compression); drop {'it' if len(parts) == 1 else 'them'} from its datasets")
     if not method.supports_continued_forward:
         raise ConfigError(f"method {method.name!r} cannot take the question as a continued multi-token forward after "
                           "its compression (its decode attention is single-query); use question=with_context")

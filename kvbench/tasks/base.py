@@ -99,6 +99,11 @@ class Task(ABC):
 
         return middle_truncate(sample.prompt, tokenizer, max_tokens)
 
+    def inseparable(self) -> list[str]:
+        """Parts of this configured task (sub-datasets) whose question cannot be separated from the context, where
+        ``separable_question`` holds for the rest: ``question=after_compression`` refuses them at plan time."""
+        return []
+
     def prepare_data(self) -> None:
         """Make the data available (download, unpack) before any model loads; fails with DataError."""
 
