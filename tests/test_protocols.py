@@ -123,7 +123,7 @@ def test_context_and_question_ids_are_exactly_the_full_encoding(tokenizer, overr
     (("task=passkey", "question=later"), "question='later' is not valid"),
     (("task=passkey", "turns=3"), "task 'passkey' asks one question per sample (turns=3); multi-turn tasks: "
                                   "needle_multiturn"),
-    (("task=needle_multiturn", "turns=3", "task.turns=2"), "set turns only"),
+    (("task=needle_multiturn", "turns=4", "task.turns=2"), "set turns only"),
     (("task=needle_multiturn", "turns=2", "turn_history=rollback", "method=pyramidinfer"),
      "turn_history=rollback restores the cache layers only"),
     (("task=needle_multiturn", "turns=2", "turn_history=forget"), "turn_history='forget' is not valid"),

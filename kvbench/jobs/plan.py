@@ -74,6 +74,7 @@ def plan_job(cfg: DictConfig) -> Job:
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null")
     if cfg.batch_size > 1 and not method.supports_batching:
         raise ConfigError(f"method {method.name!r} is defined per sequence; use batch_size=1 (got {cfg.batch_size})")
+    task = _follow_turns(cfg, task)
     question, turns, history = _question_protocol(cfg, task, method)
     label = method.budget_label(budget) or budget.label()  # POD's window, not the unused budget, names its jobs
     model_key = {k: v for k, v in asdict(spec).items() if k not in ("device", "notes")}
@@ -105,6 +106,21 @@ def staged(cfg: DictConfig) -> bool:
     return cfg.get("question", "with_context") == "after_compression" or int(cfg.get("turns", 1) or 1) > 1
 
 
+def _follow_turns(cfg: DictConfig, task: Any) -> Any:
+    """A multi-turn task asks the top-level ``turns`` questions per sample: its ``turns`` field follows it (a
+    ``task.turns`` other than its default and ``turns`` is refused rather than ignored)."""
+    import dataclasses
+
+    turns = cfg.get("turns", 1)
+    if not task.multi_turn or isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        return task
+    default = next(f.default for f in dataclasses.fields(task) if f.name == "turns")
+    if task.turns not in (default, turns):
+        raise ConfigError(f"task {task.name!r}: task.turns={task.turns} but turns={turns}; set turns only (the "
+                          "task asks that many questions per sample)")
+    return dataclasses.replace(task, turns=turns)
+
+
 def _question_protocol(cfg: DictConfig, task: Any, method: Any) -> tuple[str, int, str]:
     """``question``, ``turns`` and ``turn_history`` checked against the task and the method (turns > 1 implies
     question=after_compression): (question, turns, history)."""
@@ -124,9 +140,6 @@ def _question_protocol(cfg: DictConfig, task: Any, method: Any) -> tuple[str, in
             multi = [n for n in TASKS.names() if getattr(TASKS.get_class(n), "multi_turn", False)]
             raise ConfigError(f"task {task.name!r} asks one question per sample (turns={turns}); multi-turn tasks: "
                               f"{', '.join(multi)}")
-    if task.multi_turn and getattr(task, "turns", turns) != turns:
-        raise ConfigError(f"task {task.name!r} asks task.turns={task.turns} questions per sample but turns={turns}; "
-                          "set turns only (the task follows it)")
     if question == "with_context":
         return question, turns, history
     if not task.separable_question:
