@@ -124,8 +124,6 @@ def _follow_turns(cfg: DictConfig, task: Any) -> Any:
 def _question_protocol(cfg: DictConfig, task: Any, method: Any) -> tuple[str, int, str]:
     """``question``, ``turns`` and ``turn_history`` checked against the task and the method (turns > 1 implies
     question=after_compression): (question, turns, history)."""
-    from kvbench.tasks import TASKS
-
     question, turns = cfg.get("question", "with_context"), cfg.get("turns", 1)
     history = cfg.get("turn_history", "keep")
     if question not in QUESTION_MODES:
@@ -137,13 +135,13 @@ def _question_protocol(cfg: DictConfig, task: Any, method: Any) -> tuple[str, in
     if turns > 1:
         question = "after_compression"
         if not task.multi_turn:
-            multi = [n for n in TASKS.names() if getattr(TASKS.get_class(n), "multi_turn", False)]
+            multi = _tasks_with("multi_turn")
             raise ConfigError(f"task {task.name!r} asks one question per sample (turns={turns}); multi-turn tasks: "
                               f"{', '.join(multi)}")
     if question == "with_context":
         return question, turns, history
     if not task.separable_question:
-        can = [n for n in TASKS.names() if getattr(TASKS.get_class(n), "separable_question", False)]
+        can = _tasks_with("separable_question")
         raise ConfigError(f"task {task.name!r} cannot separate its question from the context "
                           f"(question=after_compression); tasks that can: {', '.join(can)}")
     parts = task.inseparable()
@@ -163,6 +161,21 @@ def _question_protocol(cfg: DictConfig, task: Any, method: Any) -> tuple[str, in
         raise ConfigError(f"turn_history=rollback restores the cache layers only; method {method.name!r} keeps decode "
                           "state outside them; use turn_history=keep")
     return question, turns, history
+
+
+def _tasks_with(flag: str) -> list[str]:
+    """Registered tasks whose class sets ``flag`` (a task whose module cannot import here, e.g. without an extra, is
+    left out)."""
+    from kvbench.tasks import TASKS
+
+    names = []
+    for name in TASKS.names():
+        try:
+            if getattr(TASKS.get_class(name), flag, False):
+                names.append(name)
+        except Exception:  # noqa: BLE001 - an optional dependency missing: not listable here
+            continue
+    return names
 
 
 def _check_cuda_method(method: str, spec: Any) -> None:
