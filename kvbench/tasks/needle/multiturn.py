@@ -50,7 +50,7 @@ class NeedleMultiTurnTask(Task):
     seed: int = 42
     buffer_tokens: int = 200
     file_order: str = "sorted"
-    max_new_tokens: int = 12
+    max_new_tokens: int = 24  # SmolLM2 restates the question (about 11 tokens) before the number
     chat_template: bool = True
     stop_strings: list[str] = field(default_factory=lambda: ["\n"])
     truncate_to: int | None = None
