@@ -202,6 +202,20 @@ def test_with_context_compresses_context_and_question_together(toy_llama):
     assert session.stats.prompt_lens == [212] and session.stats.layer_entries_after_prefill == [64] * 3
 
 
+def test_fullkv_after_compression_generates_what_one_prefill_does(toy_llama):
+    """With nothing compressed, feeding the question as a continued forward is the same computation as one prefill:
+    the same tokens (the engine's continuation attends causally over the cache and the question)."""
+    from kvbench.engine import greedy_generate
+
+    context, question = _ids(150, 4), _ids(10, 5)
+    b = Budget.parse("full")
+    with CompressionSession(toy_llama, build_method({"name": "fullkv"}, b), b):
+        whole = greedy_generate(toy_llama, [context + question], 8, [], 0).tokens[0]
+    _, staged = _staged(toy_llama, "fullkv", "full", context, [question], new_tokens=8)
+    assert staged.turns[0].tokens == whole
+    assert staged.turns[0].layer_entries_after_question == [160] * 3
+
+
 CONTINUABLE = sorted(n for n in set(METHODS.names()) - {"cla", "lococo", "offload"}
                      if METHODS.get_class(n).supports_continued_forward)
 
