@@ -202,6 +202,16 @@ def test_with_context_compresses_context_and_question_together(toy_llama):
     assert session.stats.prompt_lens == [212] and session.stats.layer_entries_after_prefill == [64] * 3
 
 
+def test_the_compression_check_still_guards_the_context(toy_llama, monkeypatch):
+    """A method that keeps the whole context under after_compression is caught at the context's prefill, as always."""
+    from kvbench.errors import CompressionInactiveError
+    from kvbench.methods.snapkv import SnapKV
+
+    monkeypatch.setattr(SnapKV, "prefill", lambda self, layer, ctx: None)
+    with pytest.raises(CompressionInactiveError, match="kept all 200 tokens of the prompt"):
+        _staged(toy_llama, "snapkv", 64, _ids(200, 1), [_ids(12, 2)])
+
+
 def test_fullkv_after_compression_generates_what_one_prefill_does(toy_llama):
     """With nothing compressed, feeding the question as a continued forward is the same computation as one prefill:
     the same tokens (the engine's continuation attends causally over the cache and the question)."""
