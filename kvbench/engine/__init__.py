@@ -16,6 +16,8 @@ _EXPORTS = {
     "SessionStats": "kvbench.engine.session",
     "greedy_generate": "kvbench.engine.generate",
     "GenerationOutput": "kvbench.engine.generate",
+    "staged_generate": "kvbench.engine.generate",
+    "StagedOutput": "kvbench.engine.generate",
     "teacher_forced_logprobs": "kvbench.engine.teacher_forcing",
     "TokenScores": "kvbench.engine.teacher_forcing",
     "cache_kwargs": "kvbench.engine.compat",

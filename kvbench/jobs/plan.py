@@ -74,6 +74,8 @@ def plan_job(cfg: DictConfig) -> Job:
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null")
     if cfg.batch_size > 1 and not method.supports_batching:
         raise ConfigError(f"method {method.name!r} is defined per sequence; use batch_size=1 (got {cfg.batch_size})")
+    task = _follow_turns(cfg, task)
+    question, turns, history = _question_protocol(cfg, task, method)
     label = method.budget_label(budget) or budget.label()  # POD's window, not the unused budget, names its jobs
     model_key = {k: v for k, v in asdict(spec).items() if k not in ("device", "notes")}
     key = {
@@ -86,10 +88,94 @@ def plan_job(cfg: DictConfig) -> Job:
         # the default (auto) is left out of the key: results stored before the option existed keep their hash
         **({"sliding_layers": sliding_layers} if sliding_layers != "auto" else {}),
         **({"engine_compile": True} if _engine_compile(cfg) else {}),  # one slot more per layer: other bytes
+        # left out at their defaults (with_context, one turn): results stored before the options existed keep their hash
+        **({"question": question} if question != "with_context" else {}),
+        **({"turns": turns, "turn_history": history} if turns > 1 else {}),
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
     }
     return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, label))
+
+
+QUESTION_MODES = ("with_context", "after_compression")
+TURN_HISTORY = ("keep", "rollback")
+
+
+def staged(cfg: DictConfig) -> bool:
+    """Whether the job feeds the question after the compressed context (question=after_compression, or turns > 1)."""
+    return cfg.get("question", "with_context") == "after_compression" or int(cfg.get("turns", 1) or 1) > 1
+
+
+def _follow_turns(cfg: DictConfig, task: Any) -> Any:
+    """A multi-turn task asks the top-level ``turns`` questions per sample: its ``turns`` field follows it (a
+    ``task.turns`` other than its default and ``turns`` is refused rather than ignored)."""
+    import dataclasses
+
+    turns = cfg.get("turns", 1)
+    if not task.multi_turn or isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        return task
+    default = next(f.default for f in dataclasses.fields(task) if f.name == "turns")
+    if task.turns not in (default, turns):
+        raise ConfigError(f"task {task.name!r}: task.turns={task.turns} but turns={turns}; set turns only (the "
+                          "task asks that many questions per sample)")
+    return dataclasses.replace(task, turns=turns)
+
+
+def _question_protocol(cfg: DictConfig, task: Any, method: Any) -> tuple[str, int, str]:
+    """``question``, ``turns`` and ``turn_history`` checked against the task and the method (turns > 1 implies
+    question=after_compression): (question, turns, history)."""
+    question, turns = cfg.get("question", "with_context"), cfg.get("turns", 1)
+    history = cfg.get("turn_history", "keep")
+    if question not in QUESTION_MODES:
+        raise ConfigError(f"question={question!r} is not valid; valid: {', '.join(QUESTION_MODES)}")
+    if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
+        raise ConfigError(f"turns={turns!r} must be an integer >= 1")
+    if history not in TURN_HISTORY:
+        raise ConfigError(f"turn_history={history!r} is not valid; valid: {', '.join(TURN_HISTORY)}")
+    if turns > 1:
+        question = "after_compression"
+        if not task.multi_turn:
+            multi = _tasks_with("multi_turn")
+            raise ConfigError(f"task {task.name!r} asks one question per sample (turns={turns}); multi-turn tasks: "
+                              f"{', '.join(multi)}")
+    if question == "with_context":
+        return question, turns, history
+    if not task.separable_question:
+        can = _tasks_with("separable_question")
+        raise ConfigError(f"task {task.name!r} cannot separate its question from the context "
+                          f"(question=after_compression); tasks that can: {', '.join(can)}")
+    parts = task.inseparable()
+    if parts:
+        raise ConfigError(f"task {task.name!r} cannot separate the question of {', '.join(parts)} from the context "
+                          f"(question=after_compression); drop {'it' if len(parts) == 1 else 'them'} from its datasets")
+    if not method.supports_continued_forward:
+        raise ConfigError(f"method {method.name!r} cannot take the question as a continued multi-token forward after "
+                          "its compression (its decode attention is single-query); use question=with_context")
+    if cfg.batch_size != 1:
+        raise ConfigError(f"question=after_compression runs one sequence at a time; use batch_size=1 "
+                          f"(got {cfg.batch_size})")
+    if _engine_compile(cfg):
+        raise ConfigError("question=after_compression feeds a multi-token forward after prefill, which "
+                          "engine.compile's static decode step does not take; use engine.compile=false")
+    if turns > 1 and history == "rollback" and (method.decode_state_outside_cache or method.needs_logits):
+        raise ConfigError(f"turn_history=rollback restores the cache layers only; method {method.name!r} keeps decode "
+                          "state outside them; use turn_history=keep")
+    return question, turns, history
+
+
+def _tasks_with(flag: str) -> list[str]:
+    """Registered tasks whose class sets ``flag`` (a task whose module cannot import here, e.g. without an extra, is
+    left out)."""
+    from kvbench.tasks import TASKS
+
+    names = []
+    for name in TASKS.names():
+        try:
+            if getattr(TASKS.get_class(name), flag, False):
+                names.append(name)
+        except Exception:  # noqa: BLE001 - an optional dependency missing: not listable here
+            continue
+    return names
 
 
 def _check_cuda_method(method: str, spec: Any) -> None:

@@ -77,6 +77,9 @@ def job_meta(job: Job, job_hash: str, loaded: Any, cfg: DictConfig, started: flo
                   "kv_heads": loaded.num_kv_heads, "head_dim": loaded.head_dim, "dtype": str(loaded.model.dtype),
                   "load_seconds": loaded.load_seconds},
         "seed": cfg.seed,
+        # question placement and turns: only when not the defaults (as in the job key)
+        **({"question": job.key["question"]} if "question" in job.key else {}),
+        **({"turns": job.key["turns"], "turn_history": job.key["turn_history"]} if "turns" in job.key else {}),
         # how each layer attends (full / sliding<w>) and which layers the method compresses (sliding_layers policy)
         "engine": describe_layers(loaded.model, cfg.get("sliding_layers", "auto")),
         "started": started,

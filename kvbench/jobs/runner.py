@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.errors import DataError, KVBenchError
-from kvbench.jobs.plan import Job, plan_job
+from kvbench.jobs.plan import Job, plan_job, staged
 from kvbench.jobs.records import job_meta, job_meta_end, job_scores, resolved_config
 
 log = logging.getLogger("kvbench")
@@ -134,6 +134,8 @@ def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any) -> list[dic
     custom = job.task.evaluate(batch, loaded, new_session)  # perplexity / loglikelihood tasks
     if custom is not None:
         return [{**_RECORD_DEFAULTS, "batch_size": len(batch), **record} for record in custom]
+    if staged(job.cfg):
+        return [_run_staged(job, sample, loaded, new_session) for sample in batch]
     prompts = [encode_sample(job.task, s, loaded.tokenizer, job.spec) for s in batch]
     limits = [job.task.max_new_tokens_for(s) for s in batch]
     should_stop = _stop_checker([job.task.stop_strings_for(s) for s in batch], limits, loaded.tokenizer)
@@ -168,6 +170,75 @@ def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any) -> list[dic
             record["method_stats"] = method_stats
         records.append(record)
     return records
+
+
+def _run_staged(job: Job, sample: Any, loaded: Any, new_session: Any) -> dict[str, Any]:
+    """The record of one sample under question=after_compression (and turns=N): the context is prefilled and
+    compressed alone, then each turn's question is a continued forward (``engine.generate.staged_generate``)."""
+    from dataclasses import replace
+
+    from kvbench.engine.generate import staged_generate
+    from kvbench.tasks.encoding import decode_prediction, encode_follow_up, encode_split
+
+    task, tokenizer = job.task, loaded.tokenizer
+    turns = int(job.cfg.get("turns", 1))
+    if len(sample.follow_ups) < turns - 1 or (turns > 1 and len(sample.turn_answers) < turns):
+        raise ValueError(f"sample {sample.id!r} has {len(sample.follow_ups) + 1} question(s); turns={turns}")
+    context, question = encode_split(task, sample, tokenizer, job.spec)
+    feeds = [question] + [encode_follow_up(task, sample, k, tokenizer, job.spec) for k in range(1, turns)]
+    views = [replace(sample, answers=sample.turn_answers[k]) if turns > 1 else sample for k in range(turns)]
+    limits = [task.max_new_tokens_for(v) for v in views]
+    checker = _stop_checker([task.stop_strings_for(v) for v in views], limits, tokenizer)
+    with new_session() as sess:
+        out = staged_generate(loaded.model, context, feeds, limits, loaded.eos_token_ids, checker,
+                              history=job.cfg.get("turn_history", "keep"))
+    stats = sess.stats
+    per_turn = []
+    for k, (view, turn) in enumerate(zip(views, out.turns)):
+        raw = decode_prediction(task, turn.tokens, tokenizer, view)
+        prediction = task.postprocess(raw, view)
+        per_turn.append({
+            "turn": k + 1, "prediction": prediction, "raw_prediction": raw, "answers": view.answers,
+            "score": task.score(prediction, view), "fed_tokens": turn.fed_tokens, "new_tokens": len(turn.tokens),
+            "question_seconds": turn.question_seconds, "decode_seconds": turn.decode_seconds,
+            "resident_after_question": turn.layer_entries_after_question,
+            "resident_kv_bytes_after_question": turn.resident_kv_bytes_after_question,
+            "resident_final": turn.layer_entries_final, "resident_kv_bytes_final": turn.resident_kv_bytes_final,
+        })
+    first, last = out.turns[0], out.turns[-1]
+    record = {
+        "id": sample.id,
+        "prediction": per_turn[0]["prediction"],
+        "raw_prediction": per_turn[0]["raw_prediction"],
+        "answers": sample.answers,
+        # one score per sample: the mean over its turns (each turn's in turn_scores)
+        "score": sum(t["score"] for t in per_turn) / len(per_turn),
+        "meta": sample.meta,
+        "prompt_tokens": len(context) + len(question),
+        "context_tokens": len(context),
+        "question_tokens": len(question),
+        "new_tokens": sum(len(t.tokens) for t in out.turns),
+        "prefill_seconds": out.prefill_seconds + first.question_seconds,
+        "decode_seconds": sum(t.decode_seconds for t in out.turns),
+        "decode_steps": sum(t.decode_steps for t in out.turns),
+        "batch_size": 1,
+        # resident KV after the context's compression (what "resident_kv_bytes" means for every job) ...
+        "resident_kv_bytes": out.resident_kv_bytes_after_compression,
+        "resident_kv_bytes_final": last.resident_kv_bytes_final,
+        "layer_entries": out.layer_entries_after_compression,
+        "resident_after_compression": out.layer_entries_after_compression,
+        # ... and after the question joined the cache (entries per layer)
+        "resident_after_question": first.layer_entries_after_question,
+        "resident_kv_bytes_after_question": first.resident_kv_bytes_after_question,
+        "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
+    }
+    if turns > 1:
+        record["turn_scores"] = [t["score"] for t in per_turn]
+        record["turns"] = per_turn
+    method_stats = job.method.sample_stats(0)
+    if method_stats:
+        record["method_stats"] = method_stats
+    return record
 
 
 def _sample_error(sample: Any, exc: BaseException) -> dict[str, Any]:

@@ -70,6 +70,14 @@ class Method:
     #: than the prompt: methods that keep everything resident and select what to attend), or "none" (the method keeps
     #: and attends to everything by definition, FullKV; ``expected_compression`` may decide per instance and prompt)
     compression: ClassVar[str] = "none"
+    #: question=after_compression / turns=N feed the question as a continued multi-token forward after the compressed
+    #: prompt (queries attend the cache and each other causally, through ``decode``/``select``/``attend``); a method
+    #: whose decode path is single-query by design (its own attention or selection per step) sets this False and
+    #: ``plan_job`` refuses it in one line
+    supports_continued_forward: ClassVar[bool] = True
+    #: the method keeps decode-time state outside the cache layers (PyramidInfer's attention rows): turn_history=
+    #: rollback, which restores the cache layers only, refuses it
+    decode_state_outside_cache: ClassVar[bool] = False
 
     def validate(self, budget: Budget) -> None:
         """Reject a budget or hyperparameters before any model loads (raise ConfigError naming the value)."""

@@ -77,6 +77,7 @@ class OmniKV(Method):
     """
 
     name: ClassVar[str] = "omnikv"
+    supports_continued_forward: ClassVar[bool] = False  # its own single-query decode attention/selection
     compression: ClassVar[str] = "attention"
     supports_batching: ClassVar[bool] = False
     filter_layers: list[int] | None = None

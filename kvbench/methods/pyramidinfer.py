@@ -95,6 +95,7 @@ class PyramidInfer(Method):
     """
 
     name: ClassVar[str] = "pyramidinfer"
+    decode_state_outside_cache: ClassVar[bool] = True  # its attention rows per layer (_rows, _frozen)
     compression: ClassVar[str] = "prefill"
     supports_batching: ClassVar[bool] = False
     needs_decode_probs: ClassVar[bool] = True

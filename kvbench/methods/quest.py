@@ -57,6 +57,7 @@ class Quest(Method):
     """
 
     name: ClassVar[str] = "quest"
+    supports_continued_forward: ClassVar[bool] = False  # its own single-query decode attention/selection
     compression: ClassVar[str] = "attention"
     supports_batching: ClassVar[bool] = False
     page_size: int = 16

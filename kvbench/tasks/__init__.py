@@ -24,6 +24,7 @@ TASKS = Registry(
         "needle": "kvbench.tasks.needle:NeedleTask",
         "needle_retrieval_head": "kvbench.tasks.needle.retrieval_head:NeedleRetrievalHeadTask",
         "needle_kvpress": "kvbench.tasks.needle.kvpress:NeedleKVPressTask",
+        "needle_multiturn": "kvbench.tasks.needle.multiturn:NeedleMultiTurnTask",
         "passkey": "kvbench.tasks.passkey:PasskeyTask",
         "2stageretr": "kvbench.tasks.twostage_retr:TwoStageRetrTask",
         "longbench": "kvbench.tasks.longbench:LongBenchTask",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -27,6 +27,10 @@ class Sample:
         raw prompt), e.g. "The pass key is".
     max_new_tokens / stop_strings: per-sample generation settings where a benchmark's protocol varies them by
         sub-dataset (LongBench's dataset2maxlen, samsum's newline stop); None means the task's own.
+    question: the tail of ``prompt`` that comes after the context (``prompt == context + question``), or None where
+        the task cannot separate it; ``question=after_compression`` feeds it after the context was compressed.
+    follow_ups / turn_answers: multi-turn samples (``turns=N``): the user text of turns 2..N, and the reference
+        answers of every turn (turn 1's are ``answers``).
     """
 
     id: str
@@ -37,6 +41,25 @@ class Sample:
     assistant_prefix: str = ""
     max_new_tokens: int | None = None
     stop_strings: list[str] | None = None
+    question: str | None = None
+    follow_ups: list[str] = field(default_factory=list)
+    turn_answers: list[list[str]] = field(default_factory=list)
+
+
+def question_after(prompt: str, marker: str) -> str:
+    """The tail of ``prompt`` after the last ``marker`` (the end of its context), for ``Sample.question``."""
+    at = prompt.rfind(marker)
+    if at < 0:
+        raise ValueError(f"the prompt has no {marker!r} to end its context")
+    return prompt[at + len(marker):]
+
+
+def question_from(prompt: str, start: str) -> str:
+    """The tail of ``prompt`` from the last ``start`` on (the question's first words), for ``Sample.question``."""
+    at = prompt.rfind(start)
+    if at < 0:
+        raise ValueError(f"the prompt has no {start!r} to start its question")
+    return prompt[at:]
 
 
 class Task(ABC):
@@ -49,6 +72,10 @@ class Task(ABC):
     chat_template: bool = False  # apply the model's chat template to the prompt
     stop_strings: Sequence[str] = ()  # generation stops at any of these; they are cut from the prediction
     truncate_to: int | None = None  # middle-truncate prompts to this many tokens (None: model's max_input_tokens)
+    #: the task's samples carry ``Sample.question`` (the prompt's tail after the context): question=after_compression
+    separable_question: ClassVar[bool] = False
+    #: the task asks several questions per sample on one context (``Sample.follow_ups``): turns=N
+    multi_turn: ClassVar[bool] = False
 
     @abstractmethod
     def samples(self, tokenizer: Any) -> list[Sample]:
@@ -71,6 +98,11 @@ class Task(ABC):
         from kvbench.tasks.text import middle_truncate
 
         return middle_truncate(sample.prompt, tokenizer, max_tokens)
+
+    def inseparable(self) -> list[str]:
+        """Parts of this configured task (sub-datasets) whose question cannot be separated from the context, where
+        ``separable_question`` holds for the rest: ``question=after_compression`` refuses them at plan time."""
+        return []
 
     def prepare_data(self) -> None:
         """Make the data available (download, unpack) before any model loads; fails with DataError."""

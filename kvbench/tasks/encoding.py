@@ -71,6 +71,56 @@ def encode_sample(task: Task, sample: Sample, tokenizer: Any, spec: ModelSpec) -
     return list(tokenizer.encode(text))
 
 
+def encode_split(task: Task, sample: Sample, tokenizer: Any, spec: ModelSpec) -> tuple[list[int], list[int]]:
+    """``encode_sample`` cut in two for ``question=after_compression``: (context ids, question ids) whose
+    concatenation is exactly ``encode_sample``'s ids. The question part starts at the first token of the full
+    encoding that lies beyond the context text (``sample.question`` is the prompt's tail; the chat template's closing
+    tokens and the assistant prefix follow it): the ids of the text before the question are encoded alone and the cut
+    falls after their longest common prefix with the full ids, so a token straddling the seam stays with the context.
+    """
+    if not sample.question:
+        raise ConfigError(f"task {task.name!r}: sample {sample.id!r} has no separable question")
+    prompt = task.truncate_prompt(sample, tokenizer, prompt_token_budget(task, spec, sample))
+    if not prompt.endswith(sample.question):
+        raise ConfigError(f"task {task.name!r}: sample {sample.id!r} lost its question to truncation (the prompt no "
+                          "longer ends with it); use a larger truncation length or question=with_context")
+    text, templated = render_prompt(task, sample, tokenizer, spec)
+    seam = len(prompt) - len(sample.question)
+    if templated:  # where the user turn's text ended up in the template (some templates trim it)
+        at = text.rfind(prompt)
+        core = sample.question.strip()
+        seam = at + seam if at >= 0 else text.rfind(core) if core else -1
+        if seam < 0:
+            raise ConfigError(f"task {task.name!r}: the chat template of model {spec.name!r} rewrote the prompt; its "
+                              "question cannot be located for question=after_compression")
+    full = list(tokenizer.encode(text, add_special_tokens=not templated))
+    head = list(tokenizer.encode(text[:seam], add_special_tokens=not templated))
+    cut = 0
+    while cut < min(len(head), len(full)) and head[cut] == full[cut]:
+        cut += 1
+    return full[:cut], full[cut:]
+
+
+def encode_follow_up(task: Task, sample: Sample, turn: int, tokenizer: Any, spec: ModelSpec) -> list[int]:
+    """Ids fed for turn ``turn`` >= 1 of a multi-turn sample after the previous turn's answer: with the chat template,
+    what the template puts between an assistant answer and the next assistant header (end of turn, the user turn
+    with ``sample.follow_ups[turn - 1]``, the generation prompt), then the assistant prefix; without it, a newline,
+    the follow-up and the assistant prefix."""
+    follow_up = sample.follow_ups[turn - 1]
+    if uses_chat_template(task, spec, tokenizer, sample):
+        marker = "\u2063KVBENCH_ANSWER\u2063"
+        messages = [{"role": "system", "content": sample.system}] if sample.system else []
+        messages += [{"role": "user", "content": "context"}, {"role": "assistant", "content": marker},
+                     {"role": "user", "content": follow_up}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if marker not in text:
+            raise ConfigError(f"task {task.name!r}: the chat template of model {spec.name!r} drops assistant turns; "
+                              "multi-turn prompts cannot be built with it")
+        tail = text[text.index(marker) + len(marker):]
+        return list(tokenizer.encode(tail + sample.assistant_prefix, add_special_tokens=False))
+    return list(tokenizer.encode("\n" + follow_up + sample.assistant_prefix, add_special_tokens=False))
+
+
 def cut_at_stop(text: str, stop_strings: Sequence[str]) -> str:
     """``text`` up to (excluding) the earliest occurrence of any stop string."""
     end = len(text)
@@ -93,6 +143,6 @@ def decode_prediction(task: Task, token_ids: Sequence[int], tokenizer: Any, samp
 
 
 __all__ = [
-    "cut_at_stop", "decode_prediction", "encode_sample", "middle_truncate", "prompt_token_budget", "render_prompt",
-    "uses_chat_template",
+    "cut_at_stop", "decode_prediction", "encode_follow_up", "encode_sample", "encode_split", "middle_truncate",
+    "prompt_token_budget", "render_prompt", "uses_chat_template",
 ]

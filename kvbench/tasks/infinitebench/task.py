@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from kvbench.errors import ConfigError, DataError
 from kvbench.metrics.infinitebench import MULTIPLE_CHOICE, official_label, score_one
 from kvbench.tasks import check_common, protocol_fields
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import Sample, Task, question_after
 from kvbench.tasks.infinitebench.data import check_data_dir, download_official, file_name, read_rows
 from kvbench.tasks.infinitebench.scoring import summarize
 from kvbench.tasks.records import group_in_order
@@ -77,6 +77,7 @@ class InfiniteBenchTask(Task):
     """
 
     name: ClassVar[str] = "infinitebench"
+    separable_question: ClassVar[bool] = True  # what follows {context} (see inseparable)
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "infinitebench"  # per sample: the task's official scorer (0-1); tasks x100
 
@@ -133,6 +134,11 @@ class InfiniteBenchTask(Task):
                 out.append(sample)
         return out
 
+    def inseparable(self) -> list[str]:
+        """math_calc's template ends with its context ("Expression: {context}\nValues:"): in chat mode "Values:" is
+        the assistant prefix and nothing is left to ask after the context."""
+        return ["math_calc"] if self.chat_template and "math_calc" in self.datasets else []
+
     def make_sample(self, dataset: str, index: int, row: dict[str, Any]) -> Sample:
         """One official row -> Sample: the filled template, the official label (``meta["label"]``, typed) and,
         in chat mode, the template's tail as the assistant prefix."""
@@ -147,6 +153,8 @@ class InfiniteBenchTask(Task):
         return Sample(
             id=f"{dataset}/{row_id if row_id is not None else index}",
             prompt=prompt,
+            # what follows the context (empty for math_calc in chat mode, whose template ends with it: not separable)
+            question=(question_after(prompt, fields["context"]) or None) if fields.get("context") else None,
             answers=answers,
             assistant_prefix=prefix,
             max_new_tokens=MAX_NEW_TOKENS[dataset],

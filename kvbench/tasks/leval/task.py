@@ -87,6 +87,7 @@ class LEvalTask(Task):
     """
 
     name: ClassVar[str] = "leval"
+    separable_question: ClassVar[bool] = True  # the instruction follows the document (see inseparable)
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "leval"  # per sample: the dataset's metric (0-1); datasets x100 as auto_eval.py
 
@@ -174,6 +175,8 @@ class LEvalTask(Task):
             max_new_tokens=self.max_new_tokens, head=head, document=document, tail=tail, instruction=inst,
             keep_end=dataset in PROTOCOL["keep_document_end"], format_quirk=dataset in PROTOCOL["format_quirk"])
         sample.prompt = sample.render(document)
+        if document and tail and sample.prompt.endswith(tail):
+            sample.question = tail
         if dataset != SCI_FI:
             return [sample]
         fact = PROTOCOL["sci_fi_fact"]
@@ -182,6 +185,10 @@ class LEvalTask(Task):
         return [sample, LEvalSample(id=f"{dataset}/{doc}-{q}/fact", prompt=fact_prompt, answers=[answer],
                                     meta={**meta, "part": "fact", "chat_template": False},
                                     max_new_tokens=self.max_new_tokens, tail=fact_prompt)]
+
+    def inseparable(self) -> list[str]:
+        """sci_fi's fact question is asked without the document: it has no context to compress before it."""
+        return [SCI_FI] if SCI_FI in self.datasets else []
 
     def chat_template_for(self, sample: Sample) -> bool:
         """The chat template for ``prompt_format=chat``, except sci_fi's fact question (upstream feeds it raw)."""

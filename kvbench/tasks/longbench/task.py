@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from kvbench.errors import ConfigError
 from kvbench.metrics.longbench import first_line
 from kvbench.tasks import check_common, check_str, protocol_fields
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import Sample, Task, question_after
 from kvbench.tasks.longbench.data import (
     check_data_dir,
     default_data_dir,
@@ -62,6 +62,7 @@ class LongBenchTask(Task):
     """
 
     name: ClassVar[str] = "longbench"
+    separable_question: ClassVar[bool] = True  # every dataset2prompt template ends with what follows {context}
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "longbench"  # per sample: the dataset's official metric (0-1); datasets x100
 
@@ -150,9 +151,11 @@ class LongBenchTask(Task):
             "stop_strings": list(stops if stops is not None else self.stop_strings),
             "chat_template": bool(self.chat_template and dataset not in NO_CHAT_TEMPLATE),
         }
+        prompt = DATASET2PROMPT[dataset].format(**row)
         return Sample(
             id=f"{dataset}/{row.get('_id') or index}",
-            prompt=DATASET2PROMPT[dataset].format(**row),
+            prompt=prompt,
+            question=question_after(prompt, row["context"]) if row.get("context") else None,
             answers=[str(answer) for answer in row["answers"]],
             meta=meta,
             max_new_tokens=max_new,

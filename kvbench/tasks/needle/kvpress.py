@@ -75,6 +75,7 @@ class NeedleKVPressTask(Task):
     """
 
     name: ClassVar[str] = "needle_kvpress"
+    separable_question: ClassVar[bool] = True  # the question follows the wrapped context
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "pltrdy_rouge_x100"
 
@@ -139,6 +140,7 @@ class NeedleKVPressTask(Task):
                 out.append(Sample(
                     id=f"L{length}_D{depth_label(depth)}",
                     prompt=context + data["question"] + suffix,
+                    question=data["question"] + suffix,
                     answers=[data["needle"]],
                     assistant_prefix=data["answer_prefix"],
                     max_new_tokens=int(data["max_new_tokens"]),

@@ -32,7 +32,7 @@ from kvbench.tasks import (
     mean_score,
     protocol_fields,
 )
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import Sample, Task, question_from
 from kvbench.tasks.needle.task import FILE_ORDERS, NEEDLE, haystack_files, insert_needle, period_token_ids
 
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -74,6 +74,7 @@ class NeedleRetrievalHeadTask(Task):
     """
 
     name: ClassVar[str] = "needle_retrieval_head"
+    separable_question: ClassVar[bool] = True  # "Based on the content of the book, Question: ..." follows the book
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "rouge1_recall_x100"
 
@@ -137,9 +138,11 @@ class NeedleRetrievalHeadTask(Task):
                 context_ids = context_ids[: limit - len(needle_ids)]
             for depth in self.depth_list():
                 ids, insertion = insert_needle(context_ids, needle_ids, depth, periods)
+                prompt = template.format(context=tokenizer.decode(ids), question=self.question)
                 out.append(Sample(
                     id=f"L{length}_D{depth_label(depth)}",
-                    prompt=template.format(context=tokenizer.decode(ids), question=self.question),
+                    prompt=prompt,
+                    question=question_from(prompt, "Based on the content of the book, Question:"),
                     answers=[self.reference],
                     meta={"context_length": length, "depth": depth, "haystack_tokens": len(context_ids),
                           "needle_token_index": insertion},

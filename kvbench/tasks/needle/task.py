@@ -29,7 +29,7 @@ from kvbench.tasks import (
     mean_score,
     protocol_fields,
 )
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import Sample, Task, question_after
 
 # ---- the protocol as data (KVCache-Factory run_needle_in_haystack.py, verbatim) ----
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
@@ -119,6 +119,7 @@ class NeedleTask(Task):
     name: ClassVar[str] = "needle"
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "rouge1_f_x10"
+    separable_question: ClassVar[bool] = True  # the question follows "</book>."
 
     context_lengths: list[int] = field(default_factory=lambda: [1000, 1500, 2000])
     depths: list[float] | None = None
@@ -188,6 +189,7 @@ class NeedleTask(Task):
                     Sample(
                         id=f"L{length}_D{depth_label(depth)}",
                         prompt=prompt,
+                        question=question_after(prompt, "</book>."),
                         answers=[self.needle.strip()],
                         meta={
                             "context_length": length,

@@ -28,7 +28,7 @@ from kvbench.tasks import (
     mean_score,
     protocol_fields,
 )
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import Sample, Task, question_after
 
 # ---- the protocol as data (InfiniteBench, verbatim) ----
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -90,6 +90,7 @@ class PasskeyTask(Task):
     name: ClassVar[str] = "passkey"
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "first_int_match"
+    separable_question: ClassVar[bool] = True  # "\n\nWhat is the pass key?" follows the haystack
 
     context_lengths: list[int] = field(default_factory=lambda: [1000, 1500, 2000])
     depths: list[float] | None = None
@@ -142,6 +143,7 @@ class PasskeyTask(Task):
                         Sample(
                             id=f"L{length}_D{depth_label(depth)}_R{repeat}",
                             prompt=prompt,
+                            question=question_after(prompt, context),
                             answers=[key],
                             assistant_prefix=prefix,
                             meta={

@@ -16,12 +16,12 @@ from typing import Any, ClassVar
 from kvbench.errors import ConfigError
 from kvbench.metrics.ruler import postprocess_pred
 from kvbench.tasks import check_int, check_int_list, check_stop_strings, check_str, protocol_fields
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import Sample, Task, question_from
 from kvbench.tasks.ruler import qa
 from kvbench.tasks.ruler.common import GENERATORS, TASK_ARGS, TEMPLATES, Prompting
 from kvbench.tasks.ruler.common_words import CommonWordsGenerator
 from kvbench.tasks.ruler.freq_words import FreqWordsGenerator
-from kvbench.tasks.ruler.niah import NiahGenerator
+from kvbench.tasks.ruler.niah import SINGULAR, NiahGenerator
 from kvbench.tasks.ruler.qa import QAGenerator
 from kvbench.tasks.ruler.resources import PUNKT_SOURCE, WONDERWORDS_VERSIONS
 from kvbench.tasks.ruler.scoring import TASK_METRIC, aggregate_scores, sample_score
@@ -30,6 +30,26 @@ from kvbench.tasks.ruler.variable_tracking import VariableTrackingGenerator
 RULER_TASKS: list[str] = list(TASK_ARGS)  # synthetic.yaml order = config_tasks.sh order
 QA_TASKS = {name: args["args"]["dataset"] for name, args in TASK_ARGS.items() if args["task"] == "qa"}
 MIN_LENGTH = 256
+
+
+
+def _question_starts(generator: str) -> tuple[str, ...]:
+    """The template's literal text that starts the question (what follows ``{context}`` up to the first placeholder),
+    and for NIAH its singular form (niah.py rewrites the template when one value is asked)."""
+    start = GENERATORS[generator]["template"].split("{context}")[-1].split("{")[0]
+    singular = start
+    for old, new in SINGULAR:
+        singular = singular.replace(old, new)
+    return (start, singular) if generator == "niah" else (start,)
+
+
+#: per generator: ``Sample.question`` is the prompt from the last occurrence of one of these on
+QUESTION_STARTS = {g: _question_starts(g) for g in GENERATORS}
+
+
+def _question(prompt: str, generator: str) -> str:
+    start = max(QUESTION_STARTS[generator], key=prompt.rfind)
+    return question_from(prompt, start)
 
 
 @dataclass
@@ -51,6 +71,7 @@ class RulerTask(Task):
     """
 
     name: ClassVar[str] = "ruler"
+    separable_question: ClassVar[bool] = True  # every generator's template asks after {context}
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "ruler_string_match"
 
@@ -141,6 +162,7 @@ class RulerTask(Task):
         return Sample(
             id=f"{task}/L{length}/{row['index']}",
             prompt=row["input"],
+            question=_question(row["input"], generator),
             answers=[str(a) for a in row["outputs"]],
             assistant_prefix=row["answer_prefix"],
             max_new_tokens=new_tokens,

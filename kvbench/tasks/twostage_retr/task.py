@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from kvbench.errors import ConfigError
 from kvbench.metrics import substring_any
 from kvbench.tasks import check_bool, check_common, check_int, check_int_list, check_str, mean_score, protocol_fields
-from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.base import Sample, Task, question_from
 
 # ---- the protocol as data (OmniKV, verbatim) ----
 COLORS = (
@@ -83,6 +83,7 @@ class TwoStageRetrTask(Task):
     """
 
     name: ClassVar[str] = "2stageretr"
+    separable_question: ClassVar[bool] = True  # the equation follows the dict
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "substring_any"
 
@@ -136,6 +137,7 @@ class TwoStageRetrTask(Task):
                 Sample(
                     id=f"S{i:03d}_N{dict_len}",
                     prompt=prompt,
+                    question=question_from(prompt, "The equation is "),
                     answers=[answer],
                     meta={"dict_len": dict_len, **meta},
                     system=system,

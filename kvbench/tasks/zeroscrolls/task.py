@@ -79,6 +79,7 @@ class ZeroScrollsTask(Task):
     """
 
     name: ClassVar[str] = "zeroscrolls"
+    separable_question: ClassVar[bool] = True  # the row's query follows its document (query_start_index)
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "zeroscrolls"  # per sample: the task's metric (0-1); datasets x100
 
@@ -146,6 +147,7 @@ class ZeroScrollsTask(Task):
                 "max_new_tokens": max_new}
         return ZeroScrollsSample(id=f"{dataset}/{row['id']}", prompt=text, answers=answers, meta=meta,
                                  max_new_tokens=max_new, head=text[:start], query=text[start:],
+                                 question=text[start:] or None,
                                  separator=row["truncation_seperator"])
 
     def truncate_prompt(self, sample: Sample, tokenizer: Any, max_tokens: int) -> str:
