@@ -20,6 +20,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from helpers import ByteTokenizer
 from kvbench.budget import Budget
 from kvbench.config import CONF_DIR, register_resolvers
 from kvbench.engine import CompressionSession
@@ -156,7 +157,8 @@ def _ids(n: int, seed: int) -> list[int]:
 def _staged(model, method_name, budget, context, turns, history="keep", new_tokens=4):
     b = Budget.parse(budget)
     method = build_method({"name": method_name}, b)
-    with CompressionSession(model, method, b) as session:
+    # KVzip feeds the model its repeat prompt after the context's prefill (the only method that reads a tokenizer)
+    with CompressionSession(model, method, b, tokenizer=ByteTokenizer()) as session:
         out = staged_generate(model, context, turns, [new_tokens] * len(turns), [], history=history)
     return session, out
 
