@@ -11,8 +11,13 @@ first token's keys get a shared offset ``sink`` so that it draws attention as a 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def stream(seed: int, layer: int, n: int, steps: int, hq: int, hkv: int, d: int, scale: float, sink: float = 0.0):
@@ -63,3 +68,13 @@ def from_mask(text: str) -> list[int]:
     out = [i for i in range(bits.bit_length()) if bits >> i & 1]
     out += [int(p) for p in dups.split(",")] if dups else []
     return sorted(out)
+
+
+def parity_cases(reference: str) -> ModuleType:
+    """``scripts/parity/<reference>/cases.py`` (the seeded cases its generator wrote the fixtures from), imported by
+    path: the scripts folder is not a package."""
+    spec = importlib.util.spec_from_file_location(f"{reference}_parity_cases",
+                                                  ROOT / "scripts" / "parity" / reference / "cases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

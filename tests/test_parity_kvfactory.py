@@ -11,12 +11,12 @@ and hands them to kvbench's method as the engine would at one layer's prefill.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from parity_inputs import parity_cases
 
 from helpers import kept_positions, make_layer, prefill_ctx
 from kvbench.methods.cam import CaM
@@ -29,15 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "parity"
 
 
-def _cases_module():
-    spec = importlib.util.spec_from_file_location("kvfactory_parity_cases",
-                                                  ROOT / "scripts/parity/kvcache_factory/cases.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CASES = _cases_module()
+CASES = parity_cases("kvcache_factory")
 COMMITS = tuple(CASES.COMMITS)
 #: kvbench's reading of each period of the code
 PYRAMID_SCHEDULE = {"57e1c26": "kvfactory_2406", "7ee6be0": "kvfactory_2409", "c97f9d7": "kvfactory_2409"}

@@ -14,22 +14,20 @@ sinks), which kvbench marks ``+inf``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from parity_inputs import parity_cases
 
 from helpers import kept_positions, make_layer, prefill_ctx
 from kvbench.methods import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "parity"
-spec = importlib.util.spec_from_file_location("kvpress_cases", ROOT / "scripts/parity/kvpress/cases.py")
-CASES = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(CASES)
+CASES = parity_cases("kvpress")
 
 #: fixture -> the kvbench method (and fields) that is its kvpress reading
 READINGS = {

@@ -9,12 +9,12 @@ are compared end to end on a tiny random Llama (``kvpress_kvzip_model.json``, ``
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from parity_inputs import parity_cases
 
 from kvbench.methods.kvzip_ops import kvzip_keep, reconstruction_scores
 
@@ -23,14 +23,7 @@ FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "parity" / "kvpress_kvzip.js
 TOLERANCE = 1e-6
 
 
-def _cases_module():
-    spec = importlib.util.spec_from_file_location("kvpress_parity_cases", ROOT / "scripts/parity/kvpress/cases.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CASES = _cases_module()
+CASES = parity_cases("kvpress")
 
 
 def _scores(case) -> torch.Tensor:

@@ -7,12 +7,12 @@ in the kvpress side environment (scripts/parity/README.md); this test needs neit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from parity_inputs import parity_cases
 
 from helpers import make_layer, prefill_ctx
 from kvbench.budget import Budget
@@ -23,14 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "parity" / "kvpress_think.json").read_text())
 
 
-def _cases_module():
-    spec = importlib.util.spec_from_file_location("kvpress_parity_cases", ROOT / "scripts/parity/kvpress/cases.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CASES = _cases_module()
+CASES = parity_cases("kvpress")
 
 
 def _inputs(case):

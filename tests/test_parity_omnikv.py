@@ -9,13 +9,13 @@ own positions, the module's scale, the model's RoPE frequencies).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from parity_inputs import parity_cases
 
 from helpers import make_layer, prefill_ctx
 from kvbench.budget import Budget
@@ -27,14 +27,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "parity"
 SELECTORS = ("last", "softmax_before_last", "uniform", "exp")
 
 
-def _cases_module():
-    spec = importlib.util.spec_from_file_location("omnikv_parity_cases", ROOT / "scripts/parity/omnikv/cases.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CASES = _cases_module()
+CASES = parity_cases("omnikv")
 
 
 def _fixture(selector: str) -> dict:
