@@ -9,6 +9,8 @@ generates, and its cache holds what the method's budget arithmetic says:
 * ThinK holds SnapKV's entries with keys of half their channels;
 * KVzip (fed its repeat prompt by a byte-level stub tokenizer) holds ``L x C`` entries over layers and heads, each
   layer's heads padded to its largest (bytes bounded);
+* AdaKV holds ``H x C`` entries per layer over its heads, each layer as long as its longest head (bytes bounded);
+  ChunkKV holds SnapKV's window and the whole 20-token chunks that fit in the rest of the budget;
 * KVMerger under a ratio budget runs the paper's fixed theta (``budget_mode=auto``): its size is data-dependent, at
   most the prompt.
 
@@ -33,10 +35,14 @@ from kvbench.models.tiny import build_tiny_llama, resolve_tiny
 
 NOT_ON_CPU = {"cla", "lococo", "offload"}  # trained checkpoints (CLA, LoCoCo), CUDA (offload)
 RUNNABLE = sorted(set(METHODS.names()) - NOT_ON_CPU)
-EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm"}
-PREFILL_ONLY = {"dynamickv", "kvmerger", "kvzip", "pyramidinfer", "pyramidkv", "snapkv", "think"}
+EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "tova"}
+PREFILL_ONLY = {"dynamickv", "kvmerger", "kvzip", "pyramidinfer", "pyramidkv", "snapkv", "think", "knorm", "keydiff",
+                "expected_attention", "adakv", "chunkkv"}
 KEEPS_RESIDENT = {"fullkv", "pod", "infllm", "omnikv", "quest"}
-UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "snapkv", "streamingllm", "think"}
+UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "snapkv", "streamingllm", "think", "knorm", "keydiff",
+           "expected_attention", "tova", "chunkkv"}
+#: heads of a layer keep different numbers, the layer as long as its longest head (padding allocated and counted)
+PADDED_HEADS = {"kvmerger", "kvzip", "adakv"}
 LAYERS, HEAD_DIM = 4, 16
 LENGTHS = (160, 140)  # the batch's rows (the first alone for batch 1)
 BUDGETS = ("64", "0.5")  # InfLLM needs 64 tokens; a ratio gives the rows 80 and 70
@@ -108,6 +114,8 @@ def test_method_matrix(name, budget_text, kv_heads, batch, monkeypatch):
     else:
         caps = [budget.tokens_for(n) for n in LENGTHS[:batch]]
         grown = 0 if name in EVICTS_EVERY_STEP else steps
+    if name == "chunkkv":  # SnapKV's window of 32, then whole chunks of 20 in what is left of the budget
+        caps = [32 + (cap - 32) // 20 * 20 for cap in caps]
     data_dependent = name == "kvmerger" and budget.kind == "ratio"
     if data_dependent:
         caps = list(LENGTHS[:batch])
@@ -123,7 +131,7 @@ def test_method_matrix(name, budget_text, kv_heads, batch, monkeypatch):
     width = max(caps) + grown
     if data_dependent:
         assert 0 < out.resident_kv_bytes_final <= batch * width * entry
-    elif batch == 1 and name not in ("kvmerger", "kvzip"):  # heads padded to the largest: bounded below
+    elif batch == 1 and name not in PADDED_HEADS:  # padded heads: bounded below
         assert session.stats.resident_kv_bytes_after_prefill == caps[0] * entry
         assert out.resident_kv_bytes_final == (caps[0] + grown) * entry
     elif name in UNIFORM | KEEPS_RESIDENT:  # every layer as wide as the widest row

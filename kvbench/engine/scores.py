@@ -178,3 +178,15 @@ def pool1d(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
     else:
         raise ValueError(f"unknown pooling {kind!r}; valid: max, avg")
     return out.reshape(shape)
+
+
+def page_bounds(query: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
+    """Quest's criticality of each page: ``Σ_c max(q_c m_c, q_c M_c)``, an upper bound on ``q · k`` in the page.
+
+    query: ``(B, Hkv, g, D)``; mins / maxs: ``(B, Hkv, P, D)`` per-channel min / max keys of each page.
+    Since ``M >= m``, ``max(q m, q M) = q⁺ M + q⁻ m`` with ``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)`` (two matmuls, no
+    ``(P, D)`` temporary per query head). Returns ``(B, Hkv, g, P)`` float32.
+    """
+    q = query.float()
+    pos, neg = q.clamp(min=0), q.clamp(max=0)
+    return pos @ maxs.float().transpose(-1, -2) + neg @ mins.float().transpose(-1, -2)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.engine.cache import KVLayer
+from kvbench.engine.scores import page_bounds
 
 #: what a method does at a decode step, in a form the static step can run
 EVICTIONS = ("none", "oldest", "score")
@@ -123,11 +124,9 @@ def page_selection(keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor,
                    group_agg: str) -> torch.Tensor:
     """Quest's step on a static layer whose slots are in position order (nothing is evicted; slot ``i`` of a row holds
     its ``i``-th entry): the slots ``(B, Hkv, C)`` of the ``pages - 1`` complete-or-partial pages with the highest
-    criticality bound ``Σ_c max(q_c m_c, q_c M_c)`` (``methods.quest.page_bounds``) among all but the newest entry's
+    criticality bound ``Σ_c max(q_c m_c, q_c M_c)`` (``engine.scores.page_bounds``) among all but the newest entry's
     page, plus that page. Per-page key minima / maxima are recomputed from the slots (no state; one pass over the
     cache). With fewer pages than ``pages`` every valid page is chosen (Quest's dense step)."""
-    from kvbench.methods.quest import page_bounds
-
     b, hkv, c, d = keys.shape
     p = c // page_size
     paged = keys.view(b, hkv, p, page_size, d)

@@ -226,7 +226,7 @@ class Method:
 
 def scorer_names() -> list[str]:
     """Registered methods that implement ``prefill_scores`` (what ``method.scorer`` of a wrapper may name)."""
-    from kvbench.methods import METHODS
+    from kvbench.methods.catalog import METHODS
 
     return [name for name in METHODS.names() if METHODS.get_class(name).has_prefill_scores()]
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvbench.budget import Budget
+from kvbench.engine.scores import page_bounds
 from kvbench.errors import ConfigError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive, host_ints
 
@@ -19,18 +20,6 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
     from kvbench.engine.cache import KVLayer
 
 GROUP_AGGREGATIONS = ("max", "mean")
-
-
-def page_bounds(query: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
-    """Quest's criticality of each page: ``Σ_c max(q_c m_c, q_c M_c)``, an upper bound on ``q · k`` in the page.
-
-    query: ``(B, Hkv, g, D)``; mins / maxs: ``(B, Hkv, P, D)`` per-channel min / max keys of each page.
-    Since ``M >= m``, ``max(q m, q M) = q⁺ M + q⁻ m`` with ``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)`` (two matmuls, no
-    ``(P, D)`` temporary per query head). Returns ``(B, Hkv, g, P)`` float32.
-    """
-    q = query.float()
-    pos, neg = q.clamp(min=0), q.clamp(max=0)
-    return pos @ maxs.float().transpose(-1, -2) + neg @ mins.float().transpose(-1, -2)
 
 
 @dataclass

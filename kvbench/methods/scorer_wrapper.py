@@ -18,12 +18,10 @@ import torch
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, PrefillContext, scorer_names
+from kvbench.methods.catalog import WRAPPERS  # noqa: F401  (wrappers by config name, re-exported)
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
-
-#: wrappers by config name: ``build_method`` and the report read composed names (``adakv-snapkv``) through this
-WRAPPERS = ("adakv", "chunkkv")
 
 
 @dataclass
@@ -36,7 +34,7 @@ class ScorerWrapper(Method):
     scorer_fields: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from kvbench.methods import METHODS
+        from kvbench.methods.catalog import METHODS
 
         base = type(self).name
         if self.scorer not in METHODS.names():

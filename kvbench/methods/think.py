@@ -88,7 +88,7 @@ class ThinK(Method):
     inner: dict[str, Any] = field(default_factory=lambda: {"name": "snapkv"})
 
     def __post_init__(self) -> None:
-        from kvbench.methods import METHODS
+        from kvbench.methods.catalog import METHODS
 
         check_positive(self.name, window=self.window)
         check_choice(self.name, "storage", self.storage, STORAGE)

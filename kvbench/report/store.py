@@ -50,7 +50,7 @@ def method_defaults(name: str) -> dict[str, Any] | None:
     holds them: a field whose default ``None`` means "by variant" (DynamicKV's ``schedule``, D2O's ``beta``) is
     compared with what it resolves to, as a run's key records the resolved value."""
     from kvbench.methods import METHODS
-    from kvbench.methods.scorer_wrapper import WRAPPERS
+    from kvbench.methods.catalog import WRAPPERS
 
     base, _, scorer = name.partition("-")
     composed = name not in METHODS.entries and base in WRAPPERS and bool(scorer)  # adakv-snapkv
