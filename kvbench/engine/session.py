@@ -240,10 +240,7 @@ class CompressionSession:
         out, attended = self._static_step(
             layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity, query, scaling,
             policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg)
-        self.stats.attended_entries_sum += attended
-        self.stats.decode_layer_calls += 1
-        if idx in self._method_index and not self._checked_decode:
-            self._first_step_attended.append(attended)
+        self._record_attended(attended, acts=idx in self._method_index)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
         return out, None
@@ -540,10 +537,7 @@ class CompressionSession:
             attended = ctx.attended
         else:  # padded caches (KVMerger, D2O's padded heads): a device scalar, summed without a host read
             attended = valid.sum() // valid[..., 0].numel() if valid is not None else entries
-        self.stats.attended_entries_sum += attended
-        self.stats.decode_layer_calls += 1
-        if acts and not self._checked_decode:  # the compression check looks at the layers the method acts on
-            self._first_step_attended.append(attended)
+        self._record_attended(attended, acts)
         if acts:
             self.method.decode(layer, ctx)
         if spec.sliding:
@@ -551,6 +545,14 @@ class CompressionSession:
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
         return out, None
+
+    def _record_attended(self, attended, acts: bool) -> None:
+        """One layer's decode step attended ``attended`` entries per (row, head) (a device scalar or an int): summed for
+        the stats; kept for the first step's compression check when the method acts on the layer."""
+        self.stats.attended_entries_sum += attended
+        self.stats.decode_layer_calls += 1
+        if acts and not self._checked_decode:
+            self._first_step_attended.append(attended)
 
     def _bound_to_window(self, layer: KVLayer, window: int, untouched: bool) -> None:
         """After a forward: a sliding layer keeps what the next query can reach, the last ``window - 1`` positions
