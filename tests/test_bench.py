@@ -215,3 +215,31 @@ def test_rerun_measures_only_the_selected_cells_again(tmp_path):
     assert [key(r) for r in rows][-1] == ("fullkv", 2)  # measured again, appended last
     before = {key(r): r for r in first}
     assert all(r == before[key(r)] for r in rows if key(r) != ("fullkv", 2))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral"])
+def test_budget_bytes_follow_the_layer_types(family):
+    """The budget target's bytes are what SnapKV leaves after prefill, layer type by layer type: on hybrid Gemma 3 the
+    sliding layers keep their window (``window - 1``) and only the full layer holds the budget; on Mistral (every layer
+    sliding) the method compresses inside the window; on Llama every layer holds the budget."""
+    from types import SimpleNamespace
+
+    from helpers import WINDOW, tiny_family
+
+    from kvbench.bench.run import budget_bytes
+    from kvbench.budget import Budget
+    from kvbench.engine import CompressionSession, KVCache
+    from kvbench.engine.compat import cache_kwargs
+    from kvbench.methods import build_method
+
+    model = tiny_family(family)
+    loaded = SimpleNamespace(model=model, num_layers=4, num_kv_heads=2,
+                             kv_bytes_per_token=lambda: 2 * 16 * 4)  # K and V, head_dim 16, fp32
+    n, budget = 200, Budget.parse(48)
+    cache = KVCache()
+    prompt = torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(0))
+    with CompressionSession(model, build_method({"name": "snapkv"}, budget), budget), torch.inference_mode():
+        model(prompt, **cache_kwargs(model, cache), use_cache=True)
+    assert cache.resident_bytes() == budget_bytes(loaded, budget, n, 1)
+    per_layer = {"llama": [48] * 4, "gemma3": [WINDOW - 1, WINDOW - 1, 48, WINDOW - 1], "mistral": [48] * 4}[family]
+    assert budget_bytes(loaded, budget, n, 2) == 2 * sum(per_layer) * 2 * 2 * 16 * 4
