@@ -124,7 +124,7 @@ def test_max_batch_with_an_external_probe():
 
 def test_bad_bench_configs(tmp_path):
     cfg = _cfg(tmp_path, "bench.grids.0.metrics=[speed]")
-    with pytest.raises(ConfigError, match="metrics.*prefill, memory, decode, max_batch"):
+    with pytest.raises(ConfigError, match="metrics.*prefill, memory, decode, max_batch, throughput"):
         expand(cfg.bench)
     cfg = _cfg(tmp_path, "bench.grids.0.methods=[snapkvv]")
     with pytest.raises(ConfigError, match="unknown method 'snapkvv'"):
@@ -243,3 +243,25 @@ def test_budget_bytes_follow_the_layer_types(family):
     assert cache.resident_bytes() == budget_bytes(loaded, budget, n, 1)
     per_layer = {"llama": [48] * 4, "gemma3": [WINDOW - 1, WINDOW - 1, 48, WINDOW - 1], "mistral": [48] * 4}[family]
     assert budget_bytes(loaded, budget, n, 2) == 2 * sum(per_layer) * 2 * 2 * 16 * 4
+
+
+def test_throughput_at_the_batch_and_at_the_largest_batch(tmp_path, monkeypatch):
+    """``throughput``: a job's samples per minute (prefill + decode) at the cell's batch, and again at the largest
+    batch that fits when ``max_batch`` is measured too (the batch where compression pays)."""
+    import kvbench.bench.measure as measure
+
+    calls = []
+    real = measure.samples_per_minute
+
+    def spy(loaded, method, budget, length, batch, *args, **kwargs):
+        calls.append((method.name, batch))
+        return real(loaded, method, budget, length, batch, *args, **kwargs)
+
+    monkeypatch.setattr(measure, "samples_per_minute", spy)
+    monkeypatch.setattr(measure, "max_batch", lambda loaded, method, *a, **k: 3 if method.name == "snapkv" else 1)
+    rows = _run(_cfg(tmp_path, "bench.grids.0.metrics=[max_batch,throughput]", "+bench.grids.0.memory_limit_gb=1",
+                     "bench.grids.0.batch_sizes=[1]", "bench.grids.0.methods=[fullkv,snapkv]", "bench.targets=[]"))
+    by_method = {r["method"]: r for r in rows}
+    assert calls == [("fullkv", 1), ("snapkv", 1), ("snapkv", 3)]
+    assert by_method["fullkv"]["samples_per_minute_at_max_batch"] == by_method["fullkv"]["samples_per_minute"] > 0
+    assert by_method["snapkv"]["max_batch"] == 3 and by_method["snapkv"]["samples_per_minute_at_max_batch"] > 0

@@ -228,6 +228,24 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
     return result
 
 
+def samples_per_minute(loaded, method: Method, budget: Budget, context_length: int, batch_size: int,
+                       new_tokens: int, warmup: int = 1, repeats: int = 3, compile: bool = False) -> float:
+    """Evaluation throughput of a job shaped like this cell: ``batch_size`` prompts of ``context_length`` tokens
+    generate ``new_tokens`` each (EOS ignored), prefill and decode together, as the job runner's batches do;
+    samples per minute = ``batch_size x 60 / seconds`` (median of ``repeats`` after ``warmup``)."""
+    prompts = prompts_for(loaded.tokenizer, context_length, batch_size)
+    seconds = []
+    for i in range(warmup + repeats):
+        _sync(loaded.model.device)
+        start = time.perf_counter()
+        with CompressionSession(loaded.model, method, budget, compile=compile):
+            greedy_generate(loaded.model, prompts, new_tokens, [], loaded.tokenizer.pad_token_id)
+        _sync(loaded.model.device)
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return round(batch_size * 60 / statistics.median(seconds), 3)
+
+
 def max_batch(loaded, method: Method, budget: Budget, context_length: int, limit_bytes: int, new_tokens: int = 8,
               upper: int = 1024, probe=None) -> int:
     """The largest batch whose prefill + decode peak stays within ``limit_bytes`` (doubling, then bisection).

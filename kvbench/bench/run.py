@@ -25,7 +25,7 @@ from kvbench.config import CONF_DIR
 from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
 
 log = logging.getLogger("kvbench.bench")
-METRICS = ("prefill", "memory", "decode", "max_batch")
+METRICS = ("prefill", "memory", "decode", "max_batch", "throughput")
 FIELDS = ("model", "device", "dtype", "threads", "method", "budget", "context_length", "batch_size")
 
 
@@ -97,7 +97,7 @@ def run_bench(cfg: DictConfig) -> None:
 def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     import torch
 
-    from kvbench.bench.measure import max_batch, measure_cell
+    from kvbench.bench.measure import max_batch, measure_cell, samples_per_minute
     from kvbench.bench.probe import probe_in_subprocess, request
     from kvbench.methods import build_method
     from kvbench.models import load_model, spec_from_config
@@ -168,6 +168,17 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
                 row["max_batch"] = max_batch(loaded, method, cell["budget"], cell["context_length"], limit,
                                              cell["new_tokens"], probe=probe)
                 row["memory_limit_gb"] = cell["memory_limit_gb"]
+            if "throughput" in cell["metrics"]:  # a whole job's samples per minute, at this batch and the largest
+                row["samples_per_minute"] = samples_per_minute(
+                    loaded, method, cell["budget"], cell["context_length"], cell["batch_size"], cell["new_tokens"],
+                    bench.warmup, cell["repeats"], compile=compile_decode)
+                largest = row.get("max_batch")
+                if largest and largest != cell["batch_size"]:
+                    row["samples_per_minute_at_max_batch"] = samples_per_minute(
+                        loaded, method, cell["budget"], cell["context_length"], largest, cell["new_tokens"],
+                        bench.warmup, cell["repeats"], compile=compile_decode)
+                elif largest:
+                    row["samples_per_minute_at_max_batch"] = row["samples_per_minute"]
             row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
             row["budget_kv_bytes"] = budget_bytes(loaded, cell["budget"], cell["context_length"], cell["batch_size"])
             f.write(json.dumps(row) + "\n")
