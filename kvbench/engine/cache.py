@@ -21,8 +21,8 @@ exactly what they keep. The compressed prompt's entries of every (row, head) are
 a dense ``(batch, heads, appended, head_dim)`` tail that ``update`` extends as usual). Attention reads
 ``attention_view()``: a transient padded ``(batch, heads, longest + appended, head_dim)`` copy and its validity mask,
 built per layer per step and dropped after it; ``resident_bytes`` counts the flat storage and the tail, i.e. the kept
-entries. Operations that would edit entries in place (eviction, gathers, channel pruning, windows, RoPE re-rotation)
-refuse a ragged layer instead of editing only its tail.
+entries. Operations that would edit entries in place (eviction, gathers, channel pruning, RoPE re-rotation) refuse a
+ragged layer instead of editing only its tail; a sliding window's reach (``keep_after``) flattens it again.
 
 ``get_seq_length`` reports the *logical* number of tokens seen (as ``DynamicSlidingWindowLayer`` does), which is
 what ``generate`` needs to slice inputs and number positions; the physical length is ``num_entries``.
@@ -253,6 +253,18 @@ class KVLayer(DynamicLayer):
             valid[:, :, r.width:] &= self.valid
         return valid
 
+    def _densify(self) -> None:
+        """A ragged layer back to the dense layout, as its padded view (the empty slots invalid)."""
+        r = self.ragged
+        slots = r.padded_slots(self.keys.shape[2])
+        keys, values = self._padded(r.keys, self.keys, slots), self._padded(r.values, self.values, slots)
+        positions, valid = self.position_view()
+        self.state = {k: self._padded(r.state[k].unsqueeze(-1), v.unsqueeze(-1), slots).squeeze(-1)
+                      for k, v in self.state.items()}
+        self.ragged = None
+        self.keys, self.values, self.positions = keys, values, positions
+        self.set_valid(valid)
+
     def _dense_only(self, what: str) -> None:
         if self.ragged is not None:
             raise NotAvailableError(
@@ -362,8 +374,17 @@ class KVLayer(DynamicLayer):
 
     def keep_after(self, first: torch.Tensor) -> None:
         """Keep only entries at positions ``>= first`` ``(B, 1, 1)`` (a sliding window's reach after a method evicted
-        inside it, so rows and heads may lose different numbers): a gather, invalid slots where a row keeps fewer."""
-        self._dense_only("keep a window")
+        inside it, so rows and heads may lose different numbers): a gather, invalid slots where a row keeps fewer. A
+        ragged layer that loses entries is flattened again from its padded view (rows may lose different numbers of
+        the appended tail too)."""
+        if self.ragged is not None:
+            positions, valid = self.position_view()
+            keep = positions >= first
+            if bool((keep if valid is None else keep | ~valid).all()):
+                return
+            self._densify()
+            self.to_ragged(keep)
+            return
         keep = self.positions >= first
         if self.valid is not None:
             keep = keep & self.valid

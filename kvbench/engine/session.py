@@ -216,9 +216,6 @@ class CompressionSession:
                    "head's kept entries flat, in different numbers; use engine.compile=false")
         elif self.position_mode == "compact":
             why = "position_mode=compact re-rotates the keys in place; use position_mode=original"
-        elif any(self.layer_specs[i].sliding for i in self.compressed):
-            why = (f"sliding_layers={self.sliding_policy} lets the method act inside sliding windows, whose oldest "
-                   "entries leave at every step; use sliding_layers=window")
         if why is not None:
             self.__exit__()
             raise ConfigError(f"method {self.method.name!r} holds its heads' entries in a ragged cache "

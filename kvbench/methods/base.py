@@ -124,8 +124,8 @@ class Method:
     def ragged_cache(self) -> bool:
         """Whether this method leaves ragged cache layers (``KVLayer.to_ragged``: each head holds its own number of
         entries, flat), as AdaKV's and KVzip's ``layout=ragged``. The session then refuses, before any forward, what
-        such layers cannot do: engine.compile (fixed ``(B, H, slots, D)`` layers), position_mode=compact (re-rotating
-        keys in place) and methods inside sliding windows (sliding_layers=compress)."""
+        such layers cannot do: engine.compile (fixed ``(B, H, slots, D)`` layers) and position_mode=compact
+        (re-rotating keys in place)."""
         return False
 
     def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
