@@ -179,3 +179,42 @@ def test_compact_positions_are_refused_for_a_ragged_cache(toy_llama, name):
         with CompressionSession(toy_llama, build_method({"name": name}, b), b, position_mode="compact",
                                 tokenizer=ByteTokenizer()):
             pass
+
+
+@pytest.mark.parametrize("history", ["keep", "rollback"])
+def test_questions_after_a_ragged_compression_answer_as_after_a_padded_one(toy_llama, history):
+    """question=after_compression / turns: continued multi-token forwards over a ragged cache (causal among the new
+    tokens, appended to the tail), and turn_history=rollback restoring the compressed context's ragged layers."""
+    from kvbench.engine.generate import staged_generate
+
+    runs = {}
+    for layout in ("ragged", "padded"):
+        b = Budget.parse(48)
+        with CompressionSession(toy_llama, build_method({"name": "adakv", "layout": layout}, b), b):
+            runs[layout] = staged_generate(toy_llama, _prompt(200, 1), [_prompt(7, 2), _prompt(5, 3)], [6, 6], [],
+                                           history=history)
+    ragged, padded = runs["ragged"], runs["padded"]
+    assert [t.tokens for t in ragged.turns] == [t.tokens for t in padded.turns]
+    assert ragged.layer_entries_after_compression == padded.layer_entries_after_compression == [48] * 3
+    entry = 2 * (16 + 16) * 4
+    assert ragged.resident_kv_bytes_after_compression == 3 * 48 * entry
+    first = ragged.turns[0]
+    assert first.resident_kv_bytes_after_question == 3 * (48 + 7) * entry
+    assert [t.layer_entries_final for t in ragged.turns] == [t.layer_entries_final for t in padded.turns]
+
+
+def test_entries_out_of_position_order_are_stored_in_position_order():
+    """A layer whose entries are not in position order (a method that reordered them) is flattened sorted, as the
+    padded layout's gather sorts its kept entries."""
+    (ragged, padded), kept = _layer_pair(seed=4, padding=False)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    for layer in (ragged, padded):
+        layer.positions = order.expand(2, 3, 12).clone()
+    keep_entries(padded, kept)
+    ragged.to_ragged(kept)
+    for row in range(2):
+        for h in range(3):
+            positions = ragged.position_view()[0][row, h]
+            assert positions[positions >= 0].tolist() == kept_positions(padded, row)[h]
+    keys, _, valid = ragged.attention_view()
+    assert torch.equal(keys[valid], padded.keys[padded.valid])

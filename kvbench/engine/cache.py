@@ -195,8 +195,11 @@ class KVLayer(DynamicLayer):
         if self.valid is not None:
             kept = kept & self.valid
         positions = self.positions
-        if positions.shape[-1] > 1 and not bool((positions[..., 1:] >= positions[..., :-1]).all()):
-            order = torch.argsort(positions, dim=-1, stable=True)  # flat entries go in position order
+        # flat entries go in position order: sorted unless a kept entry follows a later kept one (empty slots of a
+        # padded view, at -1, do not count)
+        latest = torch.where(kept, positions, -1).cummax(-1).values
+        if positions.shape[-1] > 1 and bool((kept[..., 1:] & (positions[..., 1:] < latest[..., :-1])).any()):
+            order = torch.argsort(positions, dim=-1, stable=True)
             self.gather(order)
             kept, positions = torch.gather(kept, -1, order), self.positions
         b, h, n = kept.shape
