@@ -48,6 +48,7 @@ BATCH = ["tests/test_batch_equals_single.py", "-k", "snapkv or pyramidkv or h2o"
 SCORERS = ["tests/test_method_scorers.py", "tests/test_parity_kvpress.py"]
 THINK = ["tests/test_parity_kvpress_think.py"]
 KVZIP = ["tests/test_parity_kvpress_kvzip.py"]
+RAGGED = ["tests/test_ragged_cache.py"]
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,14 @@ MUTANTS = [
            "    if n_safe:",
            "    if False:",
            [*SCORERS, "-k", "adakv"], "the safeguard: no head guaranteed alpha x budget"),
+    Mutant("ragged-resident-counts-padding", "adakv", "kvbench/engine/cache.py",
+           "return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()",
+           "return 2 * self.lengths.numel() * self.width * self.keys.shape[-1] * self.keys.element_size()",
+           RAGGED, "a ragged layer's resident bytes: the padded view's allocation instead of the kept entries"),
+    Mutant("ragged-view-ignores-the-tail", "adakv", "kvbench/engine/cache.py",
+           'return self.slots + torch.div(self.slots, self.width, rounding_mode="floor") * appended',
+           "return self.slots",
+           RAGGED, "a ragged layer's padded view: flat entries placed as if no token were appended"),
     Mutant("chunkkv-chunk-max", "chunkkv", "kvbench/methods/chunkkv.py",
            "chunk_scores = summed.view(complete, chunk).sum(-1)",
            "chunk_scores = summed.view(complete, chunk).amax(-1)",

@@ -41,12 +41,13 @@ def decode_step(method, layer: KVLayer, query, key, value, capacity: int):
 
 
 def kept_positions(layer: KVLayer, row: int = 0) -> list[list[int]]:
-    """Sorted kept original positions per head of one row."""
+    """Sorted kept original positions per head of one row (either cache layout: ``KVLayer.position_view``)."""
+    positions, valid = layer.position_view()
     out = []
-    for h in range(layer.positions.shape[1]):
-        pos = layer.positions[row, h]
-        if layer.valid is not None:
-            pos = pos[layer.valid[row, h]]
+    for h in range(positions.shape[1]):
+        pos = positions[row, h]
+        if valid is not None:
+            pos = pos[valid[row, h]]
         out.append(sorted(int(p) for p in pos))
     return out
 

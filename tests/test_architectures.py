@@ -125,8 +125,9 @@ def _within_window(cache, session):
         window = session.layer_specs[idx].window
         if window is None:
             continue
-        latest = int(layer.positions.max())
-        positions = layer.positions if layer.valid is None else layer.positions[layer.valid]
+        positions, valid = layer.position_view()  # either layout (AdaKV's ragged heads)
+        latest = int(positions.max())
+        positions = positions if valid is None else positions[valid]
         assert int(positions.min()) >= latest - window + 2, f"layer {idx} keeps a token beyond its window"
 
 
@@ -150,7 +151,9 @@ def test_every_method_runs_and_holds_the_arithmetic(models, family, method):
     assert session.compressed == ([2] if family == "gemma3" else [0, 1, 2, 3])
     entries = [layer.num_entries for layer in cache.layers]
     resident = cache.resident_bytes()
-    assert resident == sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers) * 4
+    held = [(layer.keys, layer.values) + ((layer.ragged.keys, layer.ragged.values) if layer.ragged else ())
+            for layer in cache.layers]  # a ragged layer: its flat entries and its appended tail
+    assert resident == sum(t.numel() for tensors in held for t in tensors) * 4
     _within_window(cache, session)
     for idx, count in enumerate(entries):
         window = session.layer_specs[idx].window

@@ -7,15 +7,15 @@ generates, and its cache holds what the method's budget arithmetic says:
   methods; KVMerger's heads may end a few valid entries short (its ragged merge sets);
 * methods that keep everything resident (FullKV, POD without a map, Quest/InfLLM/OmniKV's selection) hold the prompt;
 * ThinK holds SnapKV's entries with keys of half their channels;
-* KVzip (fed its repeat prompt by a byte-level stub tokenizer) holds ``L x C`` entries over layers and heads, each
-  layer's heads padded to its largest (bytes bounded);
-* AdaKV holds ``H x C`` entries per layer over its heads, each layer as long as its longest head (bytes bounded);
+* KVzip (fed its repeat prompt by a byte-level stub tokenizer) holds ``L x C`` entries over layers and heads, and AdaKV
+  ``H x C`` per layer over its heads, each head only what it keeps (their ragged layout: bytes exact, batch included);
   ChunkKV holds SnapKV's window and the whole 20-token chunks that fit in the rest of the budget;
 * KVMerger under a ratio budget runs the paper's fixed theta (``budget_mode=auto``): its size is data-dependent, at
   most the prompt.
 
-Resident bytes are exact where the cache's layout is (one row; a batch of a uniform method: every layer as wide as the
-widest row), bounded otherwise (a batch's per-layer widths are the widest row's allocation in that layer).
+Resident bytes are exact where the cache's layout is (one row; a ragged layout; a batch of a uniform method: every
+layer as wide as the widest row), bounded otherwise (a batch's per-layer widths are the widest row's allocation in
+that layer).
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ KEEPS_RESIDENT = {"fullkv", "pod", "infllm", "omnikv", "quest"}
 UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "snapkv", "streamingllm", "think", "knorm", "keydiff",
            "expected_attention", "tova", "chunkkv"}
 #: heads of a layer keep different numbers, the layer as long as its longest head (padding allocated and counted)
-PADDED_HEADS = {"kvmerger", "kvzip", "adakv"}
+PADDED_HEADS = {"kvmerger"}
+#: heads of a layer keep different numbers, each holding only its own (layout=ragged, their default): bytes exact
+RAGGED = {"kvzip", "adakv"}
 LAYERS, HEAD_DIM = 4, 16
 LENGTHS = (160, 140)  # the batch's rows (the first alone for batch 1)
 BUDGETS = ("64", "0.5")  # InfLLM needs 64 tokens; a ratio gives the rows 80 and 70
@@ -131,6 +133,9 @@ def test_method_matrix(name, budget_text, kv_heads, batch, monkeypatch):
     width = max(caps) + grown
     if data_dependent:
         assert 0 < out.resident_kv_bytes_final <= batch * width * entry
+    elif name in RAGGED:  # what every row keeps, nothing more, over heads and layers
+        assert session.stats.resident_kv_bytes_after_prefill == sum(caps) * entry
+        assert out.resident_kv_bytes_final == sum(cap + grown for cap in caps) * entry
     elif batch == 1 and name not in PADDED_HEADS:  # padded heads: bounded below
         assert session.stats.resident_kv_bytes_after_prefill == caps[0] * entry
         assert out.resident_kv_bytes_final == (caps[0] + grown) * entry

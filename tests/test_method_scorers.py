@@ -157,16 +157,35 @@ def test_adakv_takes_the_layer_top_scores_across_heads_with_the_safeguard():
     assert adakv_keep(scores, 5, 0.4).sum(-1).tolist() == [2, 8]
 
 
-def test_adakv_evicts_holds_the_longest_head_and_records_it():
+def _adakv_uneven(layout: str):
+    """AdaKV on one layer whose head 0 loses every comparison: it keeps its safeguard (2), head 1 the rest (18)."""
     _, k, v = _inputs(hkv=2, n=40)
     k[0, 0] *= 10  # head 0's keys all have large norms: knorm scores them all below head 1's
-    method = build_method({"name": "adakv", "scorer": "knorm"}, Budget.parse(10))
+    method = build_method({"name": "adakv", "scorer": "knorm", "layout": layout}, Budget.parse(10))
     layer = make_layer(k, v)
     method.prefill(layer, _ctx(_inputs(n=40)[0], layer, 10))
+    return method, layer, k, v
+
+
+def test_adakv_padded_holds_the_longest_head_and_records_it():
+    method, layer, _, _ = _adakv_uneven("padded")
     counts = layer.valid_counts()[0].tolist()
     assert counts == [2, 18] and layer.num_entries == 18  # 2 x 10 entries; head 0 keeps its safeguard
     assert layer.resident_bytes() == 2 * 18 * 16 * 2 * 4  # the padding of head 0 is allocated and counted
     assert method.sample_stats(0) == {"adakv_kept_entries": [20], "adakv_allocated_entries": [36]}
+
+
+def test_adakv_ragged_holds_what_each_head_keeps_and_records_it():
+    method, layer, k, v = _adakv_uneven("ragged")
+    _, padded, _, _ = _adakv_uneven("padded")
+    assert layer.valid_counts()[0].tolist() == [2, 18] and layer.num_entries == 18
+    assert layer.resident_bytes() == 20 * 16 * 2 * 4  # 2 + 18 entries, nothing for head 0's difference
+    assert method.sample_stats(0) == {"adakv_kept_entries": [20], "adakv_allocated_entries": [20]}
+    keys, values, valid = layer.attention_view()  # the padded view holds the padded layout's valid entries, in order
+    assert valid.shape == padded.valid.shape and torch.equal(valid.sum(-1), padded.valid.sum(-1))
+    assert torch.equal(keys[valid], padded.keys[padded.valid])
+    assert torch.equal(values[valid], padded.values[padded.valid])
+    assert layer.ragged.positions.tolist() == padded.positions[padded.valid].tolist()
 
 
 def test_adakv_kvpress_mask_frees_nothing():

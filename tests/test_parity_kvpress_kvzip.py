@@ -78,7 +78,7 @@ def tiny_llama():
 def test_kvpress_kvzip_end_to_end_on_a_tiny_llama(tiny_llama, case, monkeypatch):
     """The whole method in the engine (prefill, the session's repeat forwards, scoring, eviction) against kvpress's
     pipeline on the same model and tokens: scores within 1e-5, kept entries exact per layer and KV head."""
-    from helpers import ByteTokenizer
+    from helpers import ByteTokenizer, kept_positions
     from kvbench.budget import Budget
     from kvbench.engine import CompressionSession, greedy_generate
     from kvbench.engine import generate as generate_module
@@ -110,9 +110,5 @@ def test_kvpress_kvzip_end_to_end_on_a_tiny_llama(tiny_llama, case, monkeypatch)
     with CompressionSession(tiny_llama, method, budget, tokenizer=ByteTokenizer()) as session:
         greedy_generate(tiny_llama, [CASES.kvzip_prompt(n, case["seed"])], 1, [], 0)
     assert torch.allclose(scores[0], torch.tensor(case["scores"]), atol=MODEL_TOLERANCE, rtol=0)
-    kept = []
-    for layer in caches[0].layers:
-        valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
-        kept.append([sorted(layer.positions[0, h][valid[0, h]].tolist()) for h in range(heads)])
-    assert kept == case["kept"]
+    assert [kept_positions(layer) for layer in caches[0].layers] == case["kept"]
     assert sum(session.stats.layer_entries_after_prefill) == layers * capacity

@@ -14,6 +14,16 @@
   keep ``head_dim``), every later key is stored with the same channels, and attention gathers the queries to them
   (``gather_query``): q.k over the kept channels only.
 
+**Ragged layers** (``to_ragged``, AdaKV's and KVzip's default): heads that keep different numbers of entries hold
+exactly what they keep. The compressed prompt's entries of every (row, head) are stored flat in a ``RaggedEntries``
+(``ragged``: keys ``(kept, head_dim)``, their positions, the kept count per (row, head)); ``keys``/``values``/
+``positions``/``valid``/``state`` then hold only the entries appended since (decode tokens: one per head per step, so
+a dense ``(batch, heads, appended, head_dim)`` tail that ``update`` extends as usual). Attention reads
+``attention_view()``: a transient padded ``(batch, heads, longest + appended, head_dim)`` copy and its validity mask,
+built per layer per step and dropped after it; ``resident_bytes`` counts the flat storage and the tail, i.e. the kept
+entries. Operations that would edit entries in place (eviction, gathers, channel pruning, RoPE re-rotation) refuse a
+ragged layer instead of editing only its tail; a sliding window's reach (``keep_after``) flattens it again.
+
 ``get_seq_length`` reports the *logical* number of tokens seen (as ``DynamicSlidingWindowLayer`` does), which is
 what ``generate`` needs to slice inputs and number positions; the physical length is ``num_entries``.
 """
@@ -21,11 +31,41 @@ what ``generate`` needs to slice inputs and number positions; the physical lengt
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbench.errors import NotAvailableError
+
+
+@dataclass(frozen=True)
+class RaggedEntries:
+    """A layer's compressed prompt, flat per (row, head): entries of (row 0, head 0) first, each (row, head)'s in
+    position order. Never edited after ``KVLayer.to_ragged`` builds it (a snapshot may share it)."""
+
+    keys: torch.Tensor  # (kept, key_dim)
+    values: torch.Tensor  # (kept, head_dim)
+    positions: torch.Tensor  # (kept,) int64
+    lengths: torch.Tensor  # (batch, heads) int64: entries of each (row, head)
+    slots: torch.Tensor  # (kept,) int64: (row * heads + head) * width + rank, each entry's slot in a padded view
+    width: int  # the longest (row, head)
+    uniform: bool  # every (row, head) keeps ``width`` entries (the padded view has no empty slot)
+    state: dict[str, torch.Tensor]  # per-entry method state, (kept,) each
+
+    @property
+    def kept(self) -> int:
+        return self.keys.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes of K and V held (what ``KVLayer.resident_bytes`` counts for the dense layout too)."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def padded_slots(self, appended: int) -> torch.Tensor:
+        """Each entry's slot in a padded view ``(B * H * (width + appended))`` whose rows end with ``appended`` more."""
+        if appended == 0:
+            return self.slots
+        return self.slots + torch.div(self.slots, self.width, rounding_mode="floor") * appended
 
 
 class KVLayer(DynamicLayer):
@@ -39,6 +79,7 @@ class KVLayer(DynamicLayer):
         self.capacity = None  # (batch,) tokens this layer may keep per row (a tensor; see capacity_list)
         self.row_state: dict[str, torch.Tensor] = {}  # per-row method state, (batch, ...): e.g. D2O's EMA threshold
         self.key_channels: torch.Tensor | None = None  # (batch, heads, kept) key channels kept (ThinK), or None
+        self.ragged: RaggedEntries | None = None  # the compressed prompt held flat per head (to_ragged), or None
 
     # ---- transformers' layer API -------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -84,6 +125,7 @@ class KVLayer(DynamicLayer):
         self.capacity = None
         self.row_state = {}
         self.key_channels = None
+        self.ragged = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotAvailableError(
@@ -91,6 +133,7 @@ class KVLayer(DynamicLayer):
         )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._dense_only("select batch rows")
         super().batch_select_indices(indices)
         self.positions = self.positions[indices]
         if self.valid is not None:
@@ -123,19 +166,114 @@ class KVLayer(DynamicLayer):
 
     @property
     def num_entries(self) -> int:
-        return 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
+        """Entries of the longest (row, head): the length of the attention view."""
+        dense = 0 if self.keys is None or self.keys.numel() == 0 else self.keys.shape[-2]
+        return dense if self.ragged is None else self.ragged.width + self.keys.shape[-2]
 
     def resident_bytes(self) -> int:
-        """Bytes of K and V actually held by this layer."""
+        """Bytes of K and V actually held by this layer (a ragged layer: its flat entries and its appended tail)."""
         if self.keys is None:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        dense = self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return dense if self.ragged is None else dense + self.ragged.nbytes()
 
     def valid_counts(self) -> torch.Tensor:
         """Valid entries per (batch, head): ``(batch, heads)``."""
         if self.valid is None:
-            return torch.full(self.keys.shape[:2], self.num_entries, dtype=torch.long, device=self.keys.device)
-        return self.valid.sum(-1)
+            dense = torch.full(self.keys.shape[:2], self.keys.shape[-2], dtype=torch.long, device=self.keys.device)
+        else:
+            dense = self.valid.sum(-1)
+        return dense if self.ragged is None else dense + self.ragged.lengths
+
+    def to_ragged(self, kept: torch.Tensor) -> None:
+        """Keep the entries ``kept`` ``(B, H, entries)`` marks (and that are valid), each (row, head) holding only its
+        own, flat (``RaggedEntries``): heads keeping different numbers allocate nothing for the difference. The layer's
+        dense tensors become empty ``(B, H, 0, ...)`` tails, fresh tensors (the evicted entries leave memory)."""
+        self._dense_only("become ragged again")
+        if self.key_channels is not None or self.rope_pos is not None:
+            raise NotAvailableError("a ragged cache layer holds neither pruned key channels nor re-rotated keys")
+        if self.valid is not None:
+            kept = kept & self.valid
+        positions = self.positions
+        # flat entries go in position order: sorted unless a kept entry follows a later kept one (empty slots of a
+        # padded view, at -1, do not count)
+        latest = torch.where(kept, positions, -1).cummax(-1).values
+        if positions.shape[-1] > 1 and bool((kept[..., 1:] & (positions[..., 1:] < latest[..., :-1])).any()):
+            order = torch.argsort(positions, dim=-1, stable=True)
+            self.gather(order)
+            kept, positions = torch.gather(kept, -1, order), self.positions
+        b, h, n = kept.shape
+        lengths = kept.sum(-1)
+        width = int(lengths.max()) if lengths.numel() else 0
+        rank = kept.cumsum(-1) - 1  # each kept entry's slot within its (row, head)
+        row_head = torch.arange(b * h, device=kept.device).view(b, h, 1).expand(b, h, n)
+        slots = (row_head * width + rank)[kept]
+        self.ragged = RaggedEntries(
+            keys=self.keys[kept], values=self.values[kept], positions=positions[kept], lengths=lengths, slots=slots,
+            width=width, uniform=bool((lengths == width).all()), state={k: v[kept] for k, v in self.state.items()},
+        )
+        self.keys = self.keys.new_empty(b, h, 0, self.keys.shape[-1])
+        self.values = self.values.new_empty(b, h, 0, self.values.shape[-1])
+        self.positions = positions.new_empty(b, h, 0)
+        self.valid = None
+        self.state = {k: v.new_empty(b, h, 0) for k, v in self.state.items()}
+
+    def attention_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(keys, values, valid)`` to attend over: the layer's own tensors, or, for a ragged layer, a transient padded
+        copy ``(B, H, width + appended, D)`` (its flat entries first in each (row, head), empty zero slots after them,
+        then the appended tail) and its validity ``(B, H, width + appended)`` (None when no slot is empty)."""
+        if self.ragged is None:
+            return self.keys, self.values, self.valid
+        slots = self.ragged.padded_slots(self.keys.shape[2])
+        return self._padded(self.ragged.keys, self.keys, slots), self._padded(self.ragged.values, self.values, slots), \
+            self._view_valid()
+
+    def position_view(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(positions, valid)`` ``(B, H, entries)``, the entries as ``attention_view`` lays them out (a ragged layer's
+        empty slots at position -1)."""
+        if self.ragged is None:
+            return self.positions, self.valid
+        slots = self.ragged.padded_slots(self.keys.shape[2])
+        positions = self._padded(self.ragged.positions.unsqueeze(-1), self.positions.unsqueeze(-1), slots, -1)
+        return positions.squeeze(-1), self._view_valid()
+
+    def _padded(self, flat: torch.Tensor, tail: torch.Tensor, slots: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """A ragged layer's flat entries ``(kept, D)`` at their ``slots`` of a new ``(B, H, width + appended, D)``
+        tensor whose last ``appended`` entries of each (row, head) are ``tail`` ``(B, H, appended, D)``."""
+        b, h, t = tail.shape[:3]
+        out = flat.new_full((b, h, self.ragged.width + t, flat.shape[-1]), fill)
+        out[:, :, self.ragged.width:] = tail
+        out.view(-1, flat.shape[-1]).index_copy_(0, slots, flat)
+        return out
+
+    def _view_valid(self) -> torch.Tensor | None:
+        r = self.ragged
+        if r.uniform and self.valid is None:
+            return None
+        j = torch.arange(r.width + self.keys.shape[2], device=self.keys.device)
+        valid = (j < r.lengths.unsqueeze(-1)) | (j >= r.width)
+        if self.valid is not None:
+            valid[:, :, r.width:] &= self.valid
+        return valid
+
+    def _densify(self) -> None:
+        """A ragged layer back to the dense layout, as its padded view (the empty slots invalid)."""
+        r = self.ragged
+        slots = r.padded_slots(self.keys.shape[2])
+        keys, values = self._padded(r.keys, self.keys, slots), self._padded(r.values, self.values, slots)
+        positions, valid = self.position_view()
+        self.state = {k: self._padded(r.state[k].unsqueeze(-1), v.unsqueeze(-1), slots).squeeze(-1)
+                      for k, v in self.state.items()}
+        self.ragged = None
+        self.keys, self.values, self.positions = keys, values, positions
+        self.set_valid(valid)
+
+    def _dense_only(self, what: str) -> None:
+        if self.ragged is not None:
+            raise NotAvailableError(
+                f"kvbench cannot {what} on a ragged cache layer (heads holding different numbers of entries, flat); "
+                "the method's layout=padded holds a padded (B, H, n, D) cache that can"
+            )
 
     def set_valid(self, valid: torch.Tensor | None) -> None:
         """Set validity of all entries; a mask with no False is stored as None (the fast path)."""
@@ -147,6 +285,7 @@ class KVLayer(DynamicLayer):
         ``keep_valid`` ``(batch, heads, k)`` marks gathered slots that are empty (rows keeping fewer than k).
         The evicted tensors are freed: the new tensors are fresh copies of the kept rows.
         """
+        self._dense_only("gather entries")
         order = torch.argsort(torch.gather(self.positions, -1, index), dim=-1)
         index = torch.gather(index, -1, order)
         if keep_valid is not None:
@@ -167,6 +306,7 @@ class KVLayer(DynamicLayer):
         on h // group (transformers' ``repeat_kv``), positions, validity, method state and RoPE positions included: a
         query-head-granular cache (KVCache-Factory's default, DynamicKV's official layout), on which a method selects
         per query head. ``update`` then repeats new KV heads the same way, and resident bytes count every copy."""
+        self._dense_only("repeat heads")
         if group <= 1:
             return
         self.keys = self.keys.repeat_interleave(group, dim=1)
@@ -184,6 +324,7 @@ class KVLayer(DynamicLayer):
         """Keep only key channels ``channels`` ``(batch, heads, kept)`` (ascending) of every entry: the keys become
         ``(batch, heads, entries, kept)``, fresh tensors (the pruned channels leave memory); values are untouched.
         Later keys (``update``) are stored with the same channels; attention gathers the queries (``gather_query``)."""
+        self._dense_only("prune key channels")
         if self.key_channels is not None:
             raise ValueError("the layer's key channels were pruned already")
         self.key_channels = channels
@@ -236,7 +377,17 @@ class KVLayer(DynamicLayer):
 
     def keep_after(self, first: torch.Tensor) -> None:
         """Keep only entries at positions ``>= first`` ``(B, 1, 1)`` (a sliding window's reach after a method evicted
-        inside it, so rows and heads may lose different numbers): a gather, invalid slots where a row keeps fewer."""
+        inside it, so rows and heads may lose different numbers): a gather, invalid slots where a row keeps fewer. A
+        ragged layer that loses entries is flattened again from its padded view (rows may lose different numbers of
+        the appended tail too)."""
+        if self.ragged is not None:
+            positions, valid = self.position_view()
+            keep = positions >= first
+            if bool((keep if valid is None else keep | ~valid).all()):
+                return
+            self._densify()
+            self.to_ragged(keep)
+            return
         keep = self.positions >= first
         if self.valid is not None:
             keep = keep & self.valid
@@ -252,6 +403,7 @@ class KVLayer(DynamicLayer):
                      per_entry: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply an entry selection to every per-entry tensor: ``kv`` to keys and values ``(B, H, n, D)``,
         ``per_entry`` to positions, validity, method state and RoPE positions ``(B, H, n)``."""
+        self._dense_only("evict entries")
         self.keys, self.values = kv(self.keys), kv(self.values)
         self.positions = per_entry(self.positions)
         if self.valid is not None:

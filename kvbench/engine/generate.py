@@ -15,7 +15,7 @@ import torch
 
 from kvbench import faults
 from kvbench.engine.attention import ACTIVE_SESSION
-from kvbench.engine.cache import KVCache
+from kvbench.engine.cache import KVCache, KVLayer
 from kvbench.engine.compat import cache_kwargs
 
 
@@ -133,7 +133,7 @@ class StagedOutput:
 
 def layer_entries(cache: KVCache) -> list[float]:
     """Valid entries per layer (mean over KV heads of row 0), as ``SessionStats.layer_entries_after_prefill``."""
-    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    layers = [layer for layer in cache.layers if isinstance(layer, KVLayer) and layer.num_entries]
     if not layers:
         return []
     means = torch.stack([layer.valid_counts()[0].float().mean() for layer in layers]).tolist()

@@ -148,6 +148,8 @@ class CompressionSession:
                 raise
         if self.compile:
             self._check_static()
+        if not self.budget.is_full and self.method.ragged_cache():
+            self._check_ragged()
         if not self.compressed and not self.budget.is_full:
             self.__exit__()
             raise ConfigError(
@@ -205,6 +207,19 @@ class CompressionSession:
                 f"engine.compile=true: method {self.method.name!r} has no static decode step (it merges, attends "
                 f"itself or scores by the logits; see the README's engine.compile line); use engine.compile=false"
             )
+
+    def _check_ragged(self) -> None:
+        """Refuse, before any forward, what a method's ragged cache layers (``KVLayer.to_ragged``) cannot do."""
+        why = None
+        if self.compile:
+            why = ("engine.compile=true runs fixed-capacity (B, H, slots, D) layers, and a ragged layer holds each "
+                   "head's kept entries flat, in different numbers; use engine.compile=false")
+        elif self.position_mode == "compact":
+            why = "position_mode=compact re-rotates the keys in place; use position_mode=original"
+        if why is not None:
+            self.__exit__()
+            raise ConfigError(f"method {self.method.name!r} holds its heads' entries in a ragged cache "
+                              f"(layout=ragged): {why}, or the method's layout=padded (heads padded to the longest)")
 
     def _to_static(self) -> None:
         """After prefill: every layer becomes a StaticKVLayer with the slots its decode steps need."""
@@ -566,7 +581,7 @@ class CompressionSession:
         q_len = query.shape[2]
         spec = self.layer_specs[module.layer_idx]
         selected = self.method.select(layer, ctx) if acts else None
-        keys, values, valid = layer.keys, layer.values, layer.valid
+        keys, values, valid = layer.attention_view()  # a ragged layer: a transient padded copy, freed after the layer
         if selected is not None:
             idx = selected.unsqueeze(-1)
             keys = torch.gather(keys, 2, idx.expand(*selected.shape, keys.shape[-1]))
@@ -625,6 +640,9 @@ class CompressionSession:
         """Re-rotate keys so that relative distances equal those of a cache whose entries sit at 0..count-1."""
         if self.position_mode != "compact":
             return
+        if layer.ragged is not None:
+            raise NotAvailableError("position_mode=compact cannot re-rotate a ragged cache layer; use "
+                                    "position_mode=original")
         if layer.key_channels is not None:
             raise NotAvailableError(f"position_mode=compact re-rotates keys by RoPE pairs; method {self.method.name!r} "
                                     "pruned key channels; use position_mode=original")

@@ -18,10 +18,12 @@ from kvbench.methods.scorer_wrapper import ScorerWrapper
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
 
-#: ``evict``: evicted entries leave memory; heads keep different numbers, so the layer is as long as its longest head
-#: and shorter heads hold empty slots (allocated, counted in resident bytes); ``kvpress_mask``: kvpress's reading,
-#: nothing leaves memory, evicted entries are masked out of attention (resident bytes stay those of the whole prompt)
-LAYOUTS = ("evict", "kvpress_mask")
+#: ``ragged`` (default): evicted entries leave memory and each head holds only what it keeps, flat
+#: (``KVLayer.to_ragged``): resident bytes are the kept entries'; ``padded``: evicted entries leave memory, but the
+#: layer is one ``(B, H, n, D)`` tensor as long as its longest head, and the other heads' empty slots are allocated
+#: (counted in resident bytes); ``kvpress_mask``: kvpress's reading, nothing leaves memory, evicted entries are masked
+#: out of attention (resident bytes stay those of the whole prompt)
+LAYOUTS = ("ragged", "padded", "kvpress_mask")
 
 
 def adakv_keep(scores: torch.Tensor, capacity: int, alpha: float) -> torch.Tensor:
@@ -49,17 +51,19 @@ class AdaKV(ScorerWrapper):
     (heads get different budgets), every head keeping at least its top ``alpha_safeguard x budget`` (the paper's
     safeguard, alpha 0.2 as AdaKV and kvpress). The scorer's must-keep entries (+inf: SnapKV's window, sinks) stay.
 
-    Memory (``layout="evict"``, default): evicted entries leave memory, but the cache is a ``(B, H, n, D)`` tensor, so
-    the layer is as long as its longest head; the other heads' empty slots are allocated and counted in resident bytes
-    (``sample_stats`` records, per layer, the entries kept and the slots allocated). kvbench has no ragged per-head
-    layout (AdaKV's own code flattens heads for FlashAttention's varlen kernel), so AdaKV's resident bytes are above the
-    budget's whenever heads differ. ``layout="kvpress_mask"``: kvpress's reading (nothing freed, evicted entries
-    masked out of attention); never the default.
+    Memory (``layout="ragged"``, default): evicted entries leave memory and every head holds only the entries it
+    keeps, flat per head (as AdaKV's own code flattens heads for FlashAttention's varlen kernel): resident bytes are
+    the kept entries' (``heads x budget`` per layer and row, plus the decoded tokens), and attention reads a padded
+    copy built per layer per step and dropped after it (``KVLayer.attention_view``). ``layout="padded"``: the cache is
+    a ``(B, H, n, D)`` tensor as long as its longest head, the other heads' empty slots allocated and counted in
+    resident bytes (the layout engine.compile needs). ``sample_stats`` records, per layer, the entries kept and the
+    entries allocated (equal under ``ragged``). ``layout="kvpress_mask"``: kvpress's reading (nothing freed, evicted
+    entries masked out of attention); never the default.
     """
 
     name: ClassVar[str] = "adakv"
     alpha_safeguard: float = 0.2
-    layout: str = "evict"
+    layout: str = "ragged"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,6 +75,9 @@ class AdaKV(ScorerWrapper):
     def expected_compression(self, budget, prompt_len: int, num_layers: int) -> str:
         kind = super().expected_compression(budget, prompt_len, num_layers)
         return "attention" if kind != "none" and self.layout == "kvpress_mask" else kind
+
+    def ragged_cache(self) -> bool:
+        return self.layout == "ragged"
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if bool((ctx.prompt_lens <= ctx.capacity).all()):
@@ -84,11 +91,13 @@ class AdaKV(ScorerWrapper):
             kept = kept & layer.valid
         if self.layout == "kvpress_mask":
             layer.set_valid(kept)
+        elif self.layout == "ragged":
+            layer.to_ragged(kept)
         else:
             keep_entries(layer, kept)
-        per_head = kept.sum(-1)  # (B, H)
-        self._stats[ctx.layer_idx] = ([int(x) for x in per_head.sum(-1).tolist()],
-                                      [layer.num_entries * kept.shape[1]] * kept.shape[0])
+        kept_per_row = [int(x) for x in kept.sum(dim=(1, 2)).tolist()]
+        allocated = kept_per_row if self.layout == "ragged" else [layer.num_entries * kept.shape[1]] * kept.shape[0]
+        self._stats[ctx.layer_idx] = (kept_per_row, allocated)
 
     def sample_stats(self, row: int) -> dict:
         layers = sorted(self._stats)

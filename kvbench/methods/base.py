@@ -121,6 +121,13 @@ class Method:
             return StaticPolicy()
         return None
 
+    def ragged_cache(self) -> bool:
+        """Whether this method leaves ragged cache layers (``KVLayer.to_ragged``: each head holds its own number of
+        entries, flat), as AdaKV's and KVzip's ``layout=ragged``. The session then refuses, before any forward, what
+        such layers cannot do: engine.compile (fixed ``(B, H, slots, D)`` layers) and position_mode=compact
+        (re-rotating keys in place)."""
+        return False
+
     def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
         """What a prompt of ``prompt_len`` tokens must show under ``budget`` on a model of ``num_layers`` attention
         layers (see ``compression``): "none" when the budget holds the whole prompt. A method whose own fields decide

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvbench.errors import NotAvailableError
-from kvbench.methods.base import Method, PrefillContext, check_positive
+from kvbench.methods.base import Method, PrefillContext, check_choice, check_positive, keep_entries
 from kvbench.methods.kvzip_ops import (
     FIRST_CHUNK_PROMPT,
     LATER_CHUNK_PROMPT,
@@ -23,6 +23,10 @@ from kvbench.methods.kvzip_ops import (
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
+
+#: ``ragged`` (default): each head holds only the entries it keeps, flat; ``padded``: each layer as long as its longest
+#: head, the other heads' empty slots allocated (and counted in resident bytes)
+LAYOUTS = ("ragged", "padded")
 
 
 def chat_suffix(tokenizer: Any) -> str:
@@ -47,11 +51,14 @@ class KVzip(Method):
     the first ``n_sink`` entries, the chunk and the repeat tokens, as kvpress; ``kvzip_ops``). The first ``n_sink``
     entries always stay.
 
-    Budget: C tokens per layer on average. ``layerwise=False`` (kvpress's default): the L·H·(n − C) lowest scores of
-    all layers and heads leave, so layers and heads keep different numbers (each layer's heads are padded to its
-    largest head: resident bytes are those of the padded layout); ``layerwise=True``: H·(n − C) per layer, over its
-    heads. The whole prompt is the context (kvpress skips the chat template's prefix before the context; kvbench
-    prompts carry no such boundary). Batch 1 only (kvpress scores one row); full-attention layers only.
+    Budget: C tokens per layer on average. ``layerwise=False`` (kvpress's default): the L·H·(n − C) lowest scores of all
+    layers and heads leave, so layers and heads keep different numbers; ``layerwise=True``: H·(n − C) per layer, over
+    its heads. Memory (``layout="ragged"``, default): every head holds only the entries it keeps, flat per head
+    (``KVLayer.to_ragged``; attention reads a padded copy built per layer per step), so resident bytes are the L·H·C
+    kept entries' plus the decoded tokens; ``layout="padded"``: each layer is a ``(B, H, n, D)`` tensor as long as its
+    longest head, the other heads' empty slots allocated and counted in resident bytes. The whole prompt is the context
+    (kvpress skips the chat template's prefix before the context; kvbench prompts carry no such boundary). Batch 1 only
+    (kvpress scores one row); full-attention layers only.
     """
 
     name: ClassVar[str] = "kvzip"
@@ -61,13 +68,18 @@ class KVzip(Method):
     layerwise: bool = False
     n_sink: int = 4
     chunk_size: int = 2048
+    layout: str = "ragged"
 
     def __post_init__(self) -> None:
         check_positive(self.name, chunk_size=self.chunk_size)
+        check_choice(self.name, "layout", self.layout, LAYOUTS)
         if self.n_sink < 0:
             raise NotAvailableError(f"method 'kvzip': n_sink={self.n_sink} must be >= 0")
         self._scores: dict[int, torch.Tensor] = {}
         self._capacity: int | None = None
+
+    def ragged_cache(self) -> bool:
+        return self.layout == "ragged"
 
     def min_budget_tokens(self) -> int:
         return max(1, self.n_sink)
@@ -114,7 +126,7 @@ class KVzip(Method):
         per_layer = h * (n - self._capacity)
         keep = kvzip_keep(scores, per_layer if self.layerwise else n_layers * per_layer, self.layerwise, self.n_sink)
         for layer, kept in zip(layers, keep):
-            k = int(kept.sum(-1).max())
-            index = torch.sort(kept.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :k]
-            keep_valid = torch.gather(kept, -1, index)
-            layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
+            if self.layout == "ragged":
+                layer.to_ragged(kept)
+            else:
+                keep_entries(layer, kept)
