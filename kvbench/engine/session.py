@@ -88,6 +88,7 @@ class CompressionSession:
         self.compile = compile
         self._static_step = None
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
+        self._chosen: dict[int, torch.Tensor] = {}  # a filter layer's (policy.source) choice of prompt slots (OmniKV)
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
         self._cache = None  # the cache container of the current forward (its layers are replaced by static ones)
         cfg = model.config
@@ -202,8 +203,8 @@ class CompressionSession:
         if not self.budget.is_full and self.method.static_policy(1 << 30) is None:
             self.__exit__()
             raise ConfigError(
-                f"engine.compile=true: method {self.method.name!r} has no static decode step (it merges, attends "
-                f"itself or scores by the logits; see the README's engine.compile line); use engine.compile=false"
+                f"engine.compile=true: method {self.method.name!r} has no static decode step "
+                f"({self.method.static_refusal()}; see the README's engine.compile line); use engine.compile=false"
             )
 
     def _to_static(self) -> None:
@@ -216,6 +217,7 @@ class CompressionSession:
             else:  # CUDA graphs on a GPU (the host launches one graph per layer); inductor's kernels on a CPU
                 self._static_step = compiled_step(None, "reduce-overhead" if self.model.device.type == "cuda" else None)
         self._static.clear()
+        self._chosen.clear()
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
@@ -231,6 +233,9 @@ class CompressionSession:
                 slots = (layer.keys.shape[2] + extra) // policy.page_size
                 policy = replace(policy, pages=min(policy.pages, slots + 1))
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate)
+            if policy.select == "filter":  # its segment's sparse layers (later layers) read the same tensor
+                self._chosen[policy.source] = torch.zeros(static.keys.shape[0], 1, policy.prompt, dtype=torch.bool,
+                                                          device=static.keys.device)
             self._cache.layers[idx] = self._layers[idx] = static
             capacity = torch.tensor(caps, device=static.keys.device).view(-1, 1, 1)
             self._static[idx] = (policy, capacity)
@@ -239,7 +244,9 @@ class CompressionSession:
         policy, capacity = self._static[idx]
         out, attended = self._static_step(
             layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity, query, scaling,
-            policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg)
+            policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg,
+            policy.acc_agg, policy.merge, layer.row_state if policy.evict == "merge" else None,
+            self._chosen.get(policy.source), policy.prompt, policy.top, policy.selector)
         self._record_attended(attended, acts=idx in self._method_index)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()

@@ -121,6 +121,10 @@ class Method:
             return StaticPolicy()
         return None
 
+    def static_refusal(self) -> str:
+        """Why ``static_policy`` is None (one line, in ``engine.compile``'s refusal)."""
+        return "it merges, attends itself or scores by the logits"
+
     def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
         """What a prompt of ``prompt_len`` tokens must show under ``budget`` on a model of ``num_layers`` attention
         layers (see ``compression``): "none" when the budget holds the whole prompt. A method whose own fields decide
