@@ -221,7 +221,11 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
 
 @functools.cache
 def compiled_step(backend: str | None, mode: str | None):
-    """``static_step`` compiled once per (backend, mode) for the process: sessions share the graphs."""
+    """``static_step`` compiled once per (backend, mode) for the process: sessions share the graphs. Each policy (the
+    eviction and selection kinds, their sizes) is a graph of its own, all cached on ``static_step``'s code object: a
+    process that decodes with several methods (a test session, a sweep run in one process) holds more than dynamo's
+    default limit of 8, which under ``fullgraph=True`` raises instead of falling back, so the limit is raised."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     options = {"backend": backend} if backend is not None else {"mode": mode}
     return torch.compile(static_step, fullgraph=True, **options)
 
