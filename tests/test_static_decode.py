@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
+from kvbench.engine.static import StaticKVLayer
 from kvbench.errors import ConfigError
 from kvbench.methods import build_method
 
@@ -100,18 +101,21 @@ def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
 
 D2O_FIELDS = [{}, {"similarity_feature": "key_value", "merge_score": "add"},
               {"merge_weights": "average", "group_agg": "max"},
-              {"granularity": "query_head", "similarity_feature": "value"}]
+              {"granularity": "query_head", "similarity_feature": "value"}, {"variant": "official_code"},
+              {"variant": "official_code", "granularity": "query_head", "similarity_feature": "key_value"}]
 
 
 @pytest.mark.parametrize("fields", D2O_FIELDS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
 def test_static_d2o_leaves_the_cache_of_the_default_path(toy_llama, fields):
     """Equal tokens are a weak check of a merge (a wrong weight moves a few entries slightly): after 32 steps every
     layer holds the same entries (positions), merged to the same keys and values, with the same scores and EMA
-    thresholds, as the default path's, a padded batch of two rows included."""
+    thresholds, as the default path's, a padded batch of two rows included. ``variant=official_code`` compresses the
+    prompt at the first decode step, on the default path; its layers are static from the second step on."""
     prompts = [_prompt(200, 3), _prompt(150, 4)] if not fields else [_prompt()]
     eager, eager_session = _generate(toy_llama, "d2o", 64, False, prompts, fields=fields)
     static, static_session = _generate(toy_llama, "d2o", 64, "eager", prompts, fields=fields)
     assert static.tokens == eager.tokens
+    assert all(isinstance(layer, StaticKVLayer) for layer in static_session._layers.values())
     for a, b in zip(_entries(eager_session), _entries(static_session), strict=True):
         assert torch.equal(a[0], b[0])
         for x, y in zip(a[1:4], b[1:4]):
@@ -145,7 +149,7 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector):
 
 NO_STATIC = [("cam", {}), ("roco", {}), ("sirllm", {}), ("pod", {}), ("infllm", {}), ("lminfinite", {}),
              ("pyramidinfer", {}), ("tova", {}),
-             ("d2o", {"variant": "official_code"}),  # the whole prompt is compressed at the first decode step
+             ("d2o", {"variant": "official_code", "bug_compat": True}),  # tau carried across samples
              ("omnikv", {"filter_layers": [0], "selector": "uniform"}),  # a window of queries
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
 

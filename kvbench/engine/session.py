@@ -89,6 +89,7 @@ class CompressionSession:
         self._static_step = None
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
         self._chosen: dict[int, torch.Tensor] = {}  # a filter layer's (policy.source) choice of prompt slots (OmniKV)
+        self._static_pending = False  # engine.compile: the layers become static after this decode step
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
         self._cache = None  # the cache container of the current forward (its layers are replaced by static ones)
         cfg = model.config
@@ -218,6 +219,7 @@ class CompressionSession:
                 self._static_step = compiled_step(None, "reduce-overhead" if self.model.device.type == "cuda" else None)
         self._static.clear()
         self._chosen.clear()
+        self._static_pending = False
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
@@ -227,7 +229,10 @@ class CompressionSession:
                 policy = StaticPolicy()
             if spec.sliding and policy.evict == "none":  # the window: the oldest entry leaves past window - 1
                 policy, caps = StaticPolicy("oldest"), [spec.window - 1] * len(caps)
-            extra = 1 if policy.evict != "none" else max(1, self._reserve)
+            # an evicting layer needs one slot for the step's token, or more where a row may grow before it evicts (a
+            # capacity above what the layer holds: D2O's rows that the official code never compresses)
+            grow = max(caps) + 1 - layer.keys.shape[2]
+            extra = max(1, min(self._reserve, grow)) if policy.evict != "none" else max(1, self._reserve)
             if policy.select == "pages":  # whole pages of slots; a page budget the slots can hold
                 extra += -(layer.keys.shape[2] + extra) % policy.page_size
                 slots = (layer.keys.shape[2] + extra) // policy.page_size
@@ -450,7 +455,8 @@ class CompressionSession:
         reconstructs = getattr(self.method, "needs_reconstruction", False) and not self.budget.is_full
         self._reconstruct_pending = reconstructs
         self._record_prefill_stats(layers, check=not self.method.needs_logits and not reconstructs)
-        if self.compile:
+        self._static_pending = bool(self.compile)
+        if self.compile and (self.budget.is_full or not self.method.static_after_first_step()):
             self._to_static()
 
     def _record_prefill_stats(self, layers: list[KVLayer], check: bool) -> None:
@@ -551,6 +557,8 @@ class CompressionSession:
             self._bound_to_window(layer, spec.window, untouched=not acts)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
+        if self._static_pending and idx == self._last_attention_layer:  # static_after_first_step: from the next step
+            self._to_static()
         return out, None
 
     def _record_attended(self, attended, acts: bool) -> None:

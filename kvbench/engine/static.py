@@ -47,9 +47,9 @@ class StaticPolicy:
 
     ``evict="merge"`` (D2O): ``score``'s victim with per-row sinks and recent counts (``layer.row_state``), merged into
     its most similar entry through D2O's EMA gate (``methods.d2o_ops.static_merge_evict``, parameters ``merge``:
-    ``(beta, similarity feature, merge weights, add the merged score)``); ``acc_agg``: how the GQA group's
-    probabilities are accumulated (``mean`` or ``max``). ``select="filter"`` / ``"segment"`` (OmniKV, batch 1, slots
-    in position order): a filter layer chooses the ``top`` of the ``prompt`` first slots by its query
+    ``(beta, similarity feature, merge weights, add the merged score, the official code's gate)``); ``acc_agg``: how
+    the GQA group's probabilities are accumulated (``mean`` or ``max``). ``select="filter"`` / ``"segment"`` (OmniKV,
+    batch 1, slots in position order): a filter layer chooses the ``top`` of the ``prompt`` first slots by its query
     (``methods.omnikv_select.select_by_last_query``, ``selector``) into the selection of ``source`` and attends to
     everything; a segment's sparse layers attend to that selection and every slot after the prompt."""
 
@@ -200,8 +200,7 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         acc.add_(step.mean(2) if acc_agg == "mean" else step.amax(2))
     if evict == "merge":
         count = valid.sum() // valid[..., 0].numel()  # before the eviction: the victim was attended
-        beta, feature, weights, add_score = merge
-        static_merge_evict(keys, values, positions, valid, acc, capacity, row_state, beta, feature, weights, add_score)
+        static_merge_evict(keys, values, positions, valid, acc, capacity, row_state, *merge)
     elif evict != "none":
         newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
         candidate = valid & (positions >= sinks)

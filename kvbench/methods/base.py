@@ -121,6 +121,12 @@ class Method:
             return StaticPolicy()
         return None
 
+    def static_after_first_step(self) -> bool:
+        """``engine.compile``: the layers become static after the first decode step instead of after prefill (a method
+        that compresses the prompt at its first decode step, D2O's official code: that step runs on the default
+        path)."""
+        return False
+
     def static_refusal(self) -> str:
         """Why ``static_policy`` is None (one line, in ``engine.compile``'s refusal)."""
         return "it merges, attends itself or scores by the logits"

@@ -250,18 +250,25 @@ class D2O(Method):
         self._compress(layer, ctx.layer_idx)
 
     def static_policy(self, capacity: int, layer_idx: int = 0):
-        """``engine.compile`` (``variant=paper``): the same step on a fixed-capacity layer (``d2o_ops.
-        static_merge_evict``): one eviction per step, merged through the EMA gate, the state in ``row_state``."""
+        """``engine.compile``: the same step on a fixed-capacity layer (``d2o_ops.static_merge_evict``): one
+        eviction per step, merged through the EMA gate, the state in ``row_state``. ``variant=official_code``
+        compresses the whole prompt at the first decode step (many evictions at once): that step runs on the default
+        path and the layers become static after it (``static_after_first_step``); a row the code never compresses
+        (capacity ``NEVER``) never holds more than its capacity, so it never evicts."""
         from kvbench.engine.static import StaticPolicy
 
-        if self.variant != "paper":
+        if self.carry_tau:
             return None
+        official = self.variant == "official_code"
+        weights = "official" if official else self.merge_weights
         return StaticPolicy("merge", accumulate=True, acc_agg=self.group_agg,
-                            merge=(self.beta, self.similarity_feature, self.merge_weights, self.merge_score == "add"))
+                            merge=(self.beta, self.similarity_feature, weights, self.merge_score == "add", official))
+
+    def static_after_first_step(self) -> bool:
+        return self.variant == "official_code"
 
     def static_refusal(self) -> str:
-        return ("variant=official_code compresses the whole prompt at the first decode step, many evictions and "
-                "merges at once, which the one-eviction static step does not run")
+        return "carry_tau keeps each layer's threshold across samples, which the static layers do not hand back"
 
     # ---- eviction + merging ---------------------------------------------------------------------------------------
     def _compress(self, layer: KVLayer, layer_idx: int) -> None:

@@ -283,13 +283,14 @@ def _first_by_position(tie: torch.Tensor, positions: torch.Tensor) -> torch.Tens
 
 def static_merge_evict(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                        acc: torch.Tensor, capacity: torch.Tensor, row_state: dict[str, torch.Tensor], beta: float,
-                       feature: str, weights: str, add_score: bool) -> None:
-    """D2O's decode step (``D2O._compress`` of one step, paper variant) on a static layer, in place: where a (row, head)
-    holds more than ``capacity`` ``(B, 1, 1)`` valid slots, the entry with the lowest ``acc`` outside its
-    ``d2o_sinks`` first and ``d2o_recent`` newest entries (ranks by position among the valid slots; per row in
-    ``row_state``) is merged into its most similar other valid entry when the EMA gate (``ema_gate``, tau per (row,
-    head) in ``row_state``) lets it, and its ``valid`` bit is cleared. Ties go to the lowest position, as on the
-    default path, whose entries are in position order. No host read, no data-dependent shape."""
+                       feature: str, weights: str, add_score: bool, official: bool = False) -> None:
+    """D2O's decode step (``D2O._compress`` of one step) on a static layer, in place: where a (row, head) holds more
+    than ``capacity`` ``(B, 1, 1)`` valid slots, the entry with the lowest ``acc`` outside its ``d2o_sinks`` first and
+    ``d2o_recent`` newest entries (ranks by position among the valid slots; per row in ``row_state``) is merged into
+    its most similar other valid entry when the EMA gate lets it (``ema_gate``, tau per (row, head) in ``row_state``;
+    ``official``: ``official_gate``, one decision per row from the head mean, tau per row), and its ``valid`` bit is
+    cleared. Ties go to the lowest position, as on the default path, whose entries are in position order. No host
+    read, no data-dependent shape."""
     b, h, c = valid.shape
     big = torch.iinfo(positions.dtype).max
     order = torch.argsort(positions.masked_fill(~valid, big), dim=-1)  # valid slots first, by position
@@ -309,9 +310,13 @@ def static_merge_evict(keys: torch.Tensor, values: torch.Tensor, positions: torc
         m = u.amax(-1, keepdim=True)
         target = _first_by_position(others & (u == m), positions)
         tau = row_state[f"d2o_tau_{feat}"]
-        merge, updated = ema_gate(m, None, tau, beta)
+        if official:  # every head of a row evicts at once (one capacity per row): the row's first head says when
+            merge, updated = official_gate(m, None, tau, beta)
+            tau.copy_(torch.where(over[:, :1, 0], updated, tau))
+        else:
+            merge, updated = ema_gate(m, None, tau, beta)
+            tau.copy_(torch.where(over[..., 0], updated, tau))
         merge = merge & over
-        tau.copy_(torch.where(over[..., 0], updated, tau))
         if add_score and number == 0:
             acc.scatter_add_(-1, target, torch.gather(acc, -1, victim).masked_fill(~merge, 0.0))
         self_w, w, cnt = _merge_weights(m, merge, weights)
