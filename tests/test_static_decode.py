@@ -125,14 +125,18 @@ def test_static_d2o_leaves_the_cache_of_the_default_path(toy_llama, fields):
             torch.testing.assert_close(b[4][key], a[4][key], rtol=0, atol=1e-6, equal_nan=True)
 
 
-@pytest.mark.parametrize("selector", ["last", "softmax_before_last"])
-def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector):
+@pytest.mark.parametrize(("selector", "reading"), [("last", None), ("softmax_before_last", None),
+                                                  ("uniform", "official_code"), ("exp", "official_code"),
+                                                  ("exp", "paper")])
+def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, reading):
     """OmniKV's tokens on the toy model are FullKV's, so the check is the selection itself: after every decode step the
-    filter layer's choice of prompt slots (those its sparse layers attend to) equals the default path's."""
+    filter layer's choice of prompt slots (those its sparse layers attend to) equals the default path's; the window
+    selectors' first 16 steps hold prompt queries in their window (the official reading forces their tokens)."""
     chosen = {}
     for compile in (False, "eager"):
         b = Budget.parse(64)
-        method = build_method({"name": "omnikv", "filter_layers": [0], "selector": selector}, b)
+        method = build_method({"name": "omnikv", "filter_layers": [0], "selector": selector,
+                               **({"window_reading": reading} if reading else {})}, b)
         steps = chosen[compile] = []
         with CompressionSession(toy_llama, method, b, compile=compile) as session:
             def after_each_step(row, tokens, session=session, steps=steps, static=bool(compile)):
@@ -150,7 +154,6 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector):
 NO_STATIC = [("cam", {}), ("roco", {}), ("sirllm", {}), ("pod", {}), ("infllm", {}), ("lminfinite", {}),
              ("pyramidinfer", {}), ("tova", {}),
              ("d2o", {"variant": "official_code", "bug_compat": True}),  # tau carried across samples
-             ("omnikv", {"filter_layers": [0], "selector": "uniform"}),  # a window of queries
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
 
 

@@ -247,11 +247,13 @@ class CompressionSession:
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
         policy, capacity = self._static[idx]
+        row_state = layer.row_state if policy.evict == "merge" or policy.select == "filter" else None
         out, attended = self._static_step(
             layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity, query, scaling,
             policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg,
-            policy.acc_agg, policy.merge, layer.row_state if policy.evict == "merge" else None,
-            self._chosen.get(policy.source), policy.prompt, policy.top, policy.selector)
+            policy.acc_agg, policy.merge, row_state,
+            self._chosen.get(policy.source), policy.prompt, policy.top, policy.selector, policy.window_reading,
+            self.rope_inv_freq if policy.select == "filter" and policy.window_reading == "official_code" else None)
         self._record_attended(attended, acts=idx in self._method_index)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()

@@ -27,7 +27,7 @@ import torch
 from kvbench.engine.cache import KVLayer
 from kvbench.engine.scores import page_bounds
 from kvbench.methods.d2o_ops import static_merge_evict
-from kvbench.methods.omnikv_select import select_by_last_query
+from kvbench.methods.omnikv_select import select_by_last_query, slide_window, window_choice
 
 #: what a method does at a decode step, in a form the static step can run
 EVICTIONS = ("none", "oldest", "score", "merge")
@@ -66,6 +66,7 @@ class StaticPolicy:
     prompt: int = 0
     top: int = 0
     selector: str = "last"
+    window_reading: str = "official_code"
     source: int = -1
 
     def __post_init__(self) -> None:
@@ -168,7 +169,8 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
                 sinks: int, recent: int, select: str = "none", page_size: int = 1, pages: int = 0,
                 group_agg: str = "max", acc_agg: str = "mean", merge: tuple | None = None,
                 row_state: dict[str, torch.Tensor] | None = None, chosen: torch.Tensor | None = None, prompt: int = 0,
-                top: int = 0, selector: str = "last") -> tuple[torch.Tensor, torch.Tensor]:
+                top: int = 0, selector: str = "last", window_reading: str = "official_code",
+                rope_inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's decode step on a static layer: attention of ``query`` ``(B, Hq, 1, D)`` over the valid slots of
     ``keys``/``values`` ``(B, Hkv, C, D)`` (those of the chosen pages with ``select="pages"``, of OmniKV's selection
     ``chosen`` ``(B, 1, prompt)`` and the slots after the prompt with ``select="segment"``), ``acc`` += the step's
@@ -188,7 +190,12 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
         attended = valid & torch.cat([chosen, after], dim=-1)
     else:
         attended = valid
-    if select == "filter":  # OmniKV's filter layer: the top prompt slots by this step's query, for its segment
+    if select == "filter" and selector in ("uniform", "exp"):  # OmniKV's window of recent queries (row_state)
+        newest = positions[:, 0].masked_fill(~valid[:, 0], -1).amax(-1)  # (B,): this step's token
+        slide_window(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], query, newest)
+        chosen.copy_(window_choice(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], keys[:, :, :prompt],
+                                   scaling, top, selector, window_reading, rope_inv_freq).unsqueeze(1))
+    elif select == "filter":  # OmniKV's filter layer: the top prompt slots by this step's query, for its segment
         index = select_by_last_query(query, keys[:, :, :prompt], scaling, top, softmax=selector != "last")
         chosen.copy_(torch.zeros_like(chosen).scatter_(-1, index.unsqueeze(1), True))
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * scaling

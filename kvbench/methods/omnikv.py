@@ -188,6 +188,12 @@ class OmniKV(Method):
                 )
             self._window_queries[ctx.layer_idx] = ctx.queries[..., -self.window :, :]
             self._window_positions[ctx.layer_idx] = layer.positions[:, 0, -self.window :]
+            # engine.compile's copy, always ``window`` rows (empty rows at position -1 before a short prompt)
+            short = self.window - self._window_queries[ctx.layer_idx].shape[2]
+            layer.row_state["omnikv_window_q"] = torch.nn.functional.pad(self._window_queries[ctx.layer_idx],
+                                                                         (0, 0, short, 0))
+            layer.row_state["omnikv_window_pos"] = torch.nn.functional.pad(self._window_positions[ctx.layer_idx],
+                                                                           (short, 0), value=-1)
 
     def finish_prefill(self, layers: list[KVLayer], ctx: PrefillContext) -> None:
         self._bank.clear()
@@ -210,28 +216,26 @@ class OmniKV(Method):
             layer.keys, layer.values = layer.keys[:, :, n:].clone(), layer.values[:, :, n:].clone()
 
     def static_policy(self, capacity: int, layer_idx: int = 0):
-        """``engine.compile`` (selectors ``last`` and ``softmax_before_last``, no offload): the filter layer's step
-        writes its top-k prompt slots into a selection its segment's sparse layers attend through (with every
-        generated token); nothing is evicted, so slots stay in position order. Before the first prefill (the session's
-        check) the layer roles are not known yet: a plain policy."""
+        """``engine.compile`` (every selector, no offload): the filter layer's step writes its top-k prompt slots into a
+        selection its segment's sparse layers attend through (with every generated token); nothing is evicted, so
+        slots stay in position order. The window selectors slide a fixed window of ``window`` rows in ``row_state``
+        (``omnikv_select.window_choice``: the window's prompt rows a tensor, the forced tokens first of a fixed
+        top-k). Before the first prefill (the session's check) the layer roles are not known yet: a plain policy."""
         from kvbench.engine.static import StaticPolicy
 
-        if self.offload != "off" or self.selector not in ("last", "softmax_before_last"):
+        if self.offload != "off":
             return None
         n, num_layers = self._prefill_len, self._num_layers
         if not num_layers or self.selected_tokens(n, num_layers) >= n:
             return StaticPolicy()  # every layer attends densely (the default path's ``_choose`` gives None)
         if layer_idx in self.filters(num_layers):
             return StaticPolicy(select="filter", source=layer_idx, prompt=n, top=self.selected_tokens(n, num_layers),
-                                selector=self.selector)
+                                selector=self.selector, window_reading=self.window_reading)
         source = self._segment_filter(layer_idx, num_layers)
         return StaticPolicy() if source is None else StaticPolicy(select="segment", source=source, prompt=n)
 
     def static_refusal(self) -> str:
-        if self.offload != "off":
-            return f"offload={self.offload} gathers the selected tokens from a context bank on the host"
-        return (f"selector={self.selector} slides a window of queries whose prompt rows (and the number of tokens "
-                f"chosen) change with the step; not written in static form")
+        return f"offload={self.offload} gathers the selected tokens from a context bank on the host"
 
     def attend(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
         if ctx.layer_idx not in self._bank:
