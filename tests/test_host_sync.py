@@ -49,24 +49,24 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count(model, method_name, budget, new_tokens, which) -> int:
+def _count(model, method_name, budget, new_tokens, which, compile=False) -> int:
     """Ops ``which`` selects over one greedy generation of ``new_tokens`` after a 200-token prompt."""
     prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     b = Budget.parse(budget)
     # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter
     fields = {"filter_layers": [0]} if method_name == "omnikv" else {}
     tokenizer = ByteTokenizer()  # KVzip feeds the model its repeat prompt (no other method reads it)
-    with CompressionSession(model, build_method({"name": method_name, **fields}, b), b, tokenizer=tokenizer), \
-            CountOps(which) as mode:
+    with CompressionSession(model, build_method({"name": method_name, **fields}, b), b, tokenizer=tokenizer,
+                            compile=compile), CountOps(which) as mode:
         greedy_generate(model, [prompt], new_tokens, [], 0)
     return mode.count
 
 
-def _host_reads(model, method_name, budget, new_tokens, monkeypatch) -> int:
+def _host_reads(model, method_name, budget, new_tokens, monkeypatch, compile=False) -> int:
     tolist_calls = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolist_calls.append(1) or real_tolist(self))
-    return _count(model, method_name, budget, new_tokens, is_host_read) + len(tolist_calls)
+    return _count(model, method_name, budget, new_tokens, is_host_read, compile) + len(tolist_calls)
 
 
 # not runnable on a random CPU model: CLA and LoCoCo need trained checkpoints, offload needs CUDA (its own test)
@@ -81,6 +81,20 @@ def test_a_decode_step_reads_the_device_at_most_twice(toy_llama, method, monkeyp
     budget = None if method == "fullkv" else 64
     short = _host_reads(toy_llama, method, budget, 2, monkeypatch)
     long = _host_reads(toy_llama, method, budget, 10, monkeypatch)
+    assert (long - short) / 8 <= 2, f"{method}: {(long - short) / 8} host reads per decode step"
+
+
+@pytest.mark.parametrize("method", ["d2o", "omnikv", "h2o"])
+def test_a_static_decode_step_reads_the_device_at_most_twice(toy_llama, method, monkeypatch):
+    """engine.compile=true: the same bound for the static decode path (fixed-capacity layers, the session's static
+    branch, ``static_step`` with D2O's merge and OmniKV's shared selection; H2O as the reference). torch.compile does
+    not run under a dispatch mode, so the step runs uncompiled here: the same ops (``tests/test_static_decode.py``
+    proves they are captured whole, fullgraph=True, where a host read would break the graph)."""
+    import kvbench.engine.static as static
+
+    monkeypatch.setattr(static, "compiled_step", lambda backend, mode: static.static_step)
+    short = _host_reads(toy_llama, method, 64, 2, monkeypatch, compile="eager")
+    long = _host_reads(toy_llama, method, 64, 10, monkeypatch, compile="eager")
     assert (long - short) / 8 <= 2, f"{method}: {(long - short) / 8} host reads per decode step"
 
 

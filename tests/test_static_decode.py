@@ -14,26 +14,49 @@ from torch._dynamo.utils import counters
 
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
+from kvbench.engine.static import StaticKVLayer
 from kvbench.errors import ConfigError
 from kvbench.methods import build_method
 
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
-          "keydiff", "expected_attention", "adakv", "chunkkv"]
+          "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv"]
+# OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
-FIELDS = {"adakv": {"layout": "padded"}}
+FIELDS = {"omnikv": {"filter_layers": [0]}, "adakv": {"layout": "padded"}}
 
 
 def _prompt(n=200, seed=1):
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _generate(model, name, budget, compile, prompts, new=32):
+def _generate(model, name, budget, compile, prompts, new=32, fields=None, after_each_step=None):
     b = Budget.parse(budget)
-    with CompressionSession(model, build_method({"name": name, **FIELDS.get(name, {})}, b), b,
-                            compile=compile) as session:
-        out = greedy_generate(model, prompts, new, [], 0)
+    method = build_method({"name": name, **FIELDS.get(name, {}), **(fields or {})}, b)
+    with CompressionSession(model, method, b, compile=compile) as session:
+        out = greedy_generate(model, prompts, new, [], 0, after_each_step)
     return out, session
+
+
+def _entries(session) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: the valid entries of every (row, head) in position order (positions, keys, values, accumulated
+    scores), whatever slots hold them, and the layer's per-row method state."""
+    out = []
+    for idx in sorted(session._layers):
+        layer = session._layers[idx]
+        valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+        order = torch.argsort(layer.positions.masked_fill(~valid, 1 << 40), dim=-1)[..., : int(valid.sum(-1).max())]
+        held = torch.gather(valid, -1, order)  # False: the empty slots of a (row, head) holding fewer entries
+
+        def take(t: torch.Tensor, order=order, held=held) -> torch.Tensor:
+            if t.dim() == 3:
+                return torch.gather(t, -1, order).masked_fill(~held, 0)
+            return torch.gather(t, 2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1])).masked_fill(
+                ~held.unsqueeze(-1), 0)
+
+        out.append((take(layer.positions), take(layer.keys), take(layer.values), take(layer.state["acc"]),
+                    {k: v.clone() for k, v in layer.row_state.items()}))
+    return out
 
 
 @pytest.mark.parametrize("method", STATIC)
@@ -61,8 +84,7 @@ def test_the_step_is_captured_once_and_never_recompiled(toy_llama, method):
         return False
 
     b = Budget.parse(None if method == "fullkv" else 64)
-    with CompressionSession(toy_llama, build_method({"name": method, **FIELDS.get(method, {})}, b), b,
-                            compile="eager"):
+    with CompressionSession(toy_llama, build_method({"name": method, **FIELDS.get(method, {})}, b), b, compile="eager"):
         out = greedy_generate(toy_llama, [_prompt()], 33, [], 0, after_each_step)
     assert out.decode_steps == 32 and len(seen) == 33
     assert seen[1] >= 1  # captured (fullgraph=True: a graph break would have raised)
@@ -78,15 +100,72 @@ def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
     assert both.tokens[0] == alone[0]
 
 
-NO_STATIC = ["d2o", "cam", "roco", "sirllm", "pod", "omnikv", "infllm", "lminfinite", "pyramidinfer", "tova"]
+D2O_FIELDS = [{}, {"similarity_feature": "key_value", "merge_score": "add"},
+              {"merge_weights": "average", "group_agg": "max"},
+              {"granularity": "query_head", "similarity_feature": "value"}, {"variant": "official_code"},
+              {"variant": "official_code", "granularity": "query_head", "similarity_feature": "key_value"}]
 
 
-@pytest.mark.parametrize("method", NO_STATIC)
-def test_methods_without_a_static_step_are_refused(toy_llama, method):
-    """Each listed in the README's engine.compile paragraph with the reason."""
+@pytest.mark.parametrize("fields", D2O_FIELDS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
+def test_static_d2o_leaves_the_cache_of_the_default_path(toy_llama, fields):
+    """Equal tokens are a weak check of a merge (a wrong weight moves a few entries slightly): after 32 steps every
+    layer holds the same entries (positions), merged to the same keys and values, with the same scores and EMA
+    thresholds, as the default path's, a padded batch of two rows included. ``variant=official_code`` compresses the
+    prompt at the first decode step, on the default path; its layers are static from the second step on."""
+    prompts = [_prompt(200, 3), _prompt(150, 4)] if not fields else [_prompt()]
+    eager, eager_session = _generate(toy_llama, "d2o", 64, False, prompts, fields=fields)
+    static, static_session = _generate(toy_llama, "d2o", 64, "eager", prompts, fields=fields)
+    assert static.tokens == eager.tokens
+    assert all(isinstance(layer, StaticKVLayer) for layer in static_session._layers.values())
+    for a, b in zip(_entries(eager_session), _entries(static_session), strict=True):
+        assert torch.equal(a[0], b[0])
+        for x, y in zip(a[1:4], b[1:4]):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+        assert a[4].keys() == b[4].keys()
+        for key in a[4]:
+            torch.testing.assert_close(b[4][key], a[4][key], rtol=0, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize(("selector", "reading"), [("last", None), ("softmax_before_last", None),
+                                                  ("uniform", "official_code"), ("exp", "official_code"),
+                                                  ("exp", "paper")])
+def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, reading):
+    """OmniKV's tokens on the toy model are FullKV's, so the check is the selection itself: after every decode step the
+    filter layer's choice of prompt slots (those its sparse layers attend to) equals the default path's; the window
+    selectors' first 16 steps hold prompt queries in their window (the official reading forces their tokens)."""
+    chosen = {}
+    for compile in (False, "eager"):
+        b = Budget.parse(64)
+        method = build_method({"name": "omnikv", "filter_layers": [0], "selector": selector,
+                               **({"window_reading": reading} if reading else {})}, b)
+        steps = chosen[compile] = []
+        with CompressionSession(toy_llama, method, b, compile=compile) as session:
+            def after_each_step(row, tokens, session=session, steps=steps, static=bool(compile)):
+                if static:
+                    steps.append(session._chosen[0][0, 0].nonzero()[:, 0].tolist())
+                else:
+                    steps.append(session.method._selection[0][0].tolist() if session.method._selection else [])
+                return False
+
+            greedy_generate(toy_llama, [_prompt()], 17, [], 0, after_each_step)
+    assert len(chosen[False]) == 17 and all(len(c) == 64 for c in chosen[False][1:])
+    assert chosen["eager"][1:] == chosen[False][1:]
+
+
+NO_STATIC = [("cam", {}), ("roco", {}), ("sirllm", {}), ("pod", {}), ("infllm", {}), ("lminfinite", {}),
+             ("pyramidinfer", {}), ("tova", {}),
+             ("d2o", {"variant": "official_code", "bug_compat": True}),  # tau carried across samples
+             ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
+
+
+@pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else
+                         ",".join(f"{k}={v}" for k, v in x.items() if k != "filter_layers") or "-")
+def test_methods_without_a_static_step_are_refused(toy_llama, method, fields):
+    """Each listed in the README's engine.compile paragraph with the reason, which the refusal gives."""
     b = Budget.parse(64)
-    m = build_method({"name": method, **({"filter_layers": [0]} if method == "omnikv" else {})}, b)
+    m = build_method({"name": method, **fields}, b)
     assert m.static_policy(64) is None
-    with pytest.raises(ConfigError, match="engine.compile=true: method"):
+    with pytest.raises(ConfigError, match="engine.compile=true: method") as refused:
         with CompressionSession(toy_llama, m, b, compile="eager"):
             pass
+    assert m.static_refusal() in str(refused.value)

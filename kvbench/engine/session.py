@@ -88,6 +88,8 @@ class CompressionSession:
         self.compile = compile
         self._static_step = None
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
+        self._chosen: dict[int, torch.Tensor] = {}  # a filter layer's (policy.source) choice of prompt slots (OmniKV)
+        self._static_pending = False  # engine.compile: the layers become static after this decode step
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
         self._cache = None  # the cache container of the current forward (its layers are replaced by static ones)
         cfg = model.config
@@ -204,8 +206,8 @@ class CompressionSession:
         if not self.budget.is_full and self.method.static_policy(1 << 30) is None:
             self.__exit__()
             raise ConfigError(
-                f"engine.compile=true: method {self.method.name!r} has no static decode step (it merges, attends "
-                f"itself or scores by the logits; see the README's engine.compile line); use engine.compile=false"
+                f"engine.compile=true: method {self.method.name!r} has no static decode step "
+                f"({self.method.static_refusal()}; see the README's engine.compile line); use engine.compile=false"
             )
 
     def _check_ragged(self) -> None:
@@ -231,6 +233,8 @@ class CompressionSession:
             else:  # CUDA graphs on a GPU (the host launches one graph per layer); inductor's kernels on a CPU
                 self._static_step = compiled_step(None, "reduce-overhead" if self.model.device.type == "cuda" else None)
         self._static.clear()
+        self._chosen.clear()
+        self._static_pending = False
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
@@ -240,21 +244,31 @@ class CompressionSession:
                 policy = StaticPolicy()
             if spec.sliding and policy.evict == "none":  # the window: the oldest entry leaves past window - 1
                 policy, caps = StaticPolicy("oldest"), [spec.window - 1] * len(caps)
-            extra = 1 if policy.evict != "none" else max(1, self._reserve)
+            # an evicting layer needs one slot for the step's token, or more where a row may grow before it evicts (a
+            # capacity above what the layer holds: D2O's rows that the official code never compresses)
+            grow = max(caps) + 1 - layer.keys.shape[2]
+            extra = max(1, min(self._reserve, grow)) if policy.evict != "none" else max(1, self._reserve)
             if policy.select == "pages":  # whole pages of slots; a page budget the slots can hold
                 extra += -(layer.keys.shape[2] + extra) % policy.page_size
                 slots = (layer.keys.shape[2] + extra) // policy.page_size
                 policy = replace(policy, pages=min(policy.pages, slots + 1))
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate)
+            if policy.select == "filter":  # its segment's sparse layers (later layers) read the same tensor
+                self._chosen[policy.source] = torch.zeros(static.keys.shape[0], 1, policy.prompt, dtype=torch.bool,
+                                                          device=static.keys.device)
             self._cache.layers[idx] = self._layers[idx] = static
             capacity = torch.tensor(caps, device=static.keys.device).view(-1, 1, 1)
             self._static[idx] = (policy, capacity)
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
         policy, capacity = self._static[idx]
+        row_state = layer.row_state if policy.evict == "merge" or policy.select == "filter" else None
         out, attended = self._static_step(
             layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity, query, scaling,
-            policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg)
+            policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg,
+            policy.acc_agg, policy.merge, row_state,
+            self._chosen.get(policy.source), policy.prompt, policy.top, policy.selector, policy.window_reading,
+            self.rope_inv_freq if policy.select == "filter" and policy.window_reading == "official_code" else None)
         self._record_attended(attended, acts=idx in self._method_index)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
@@ -458,7 +472,8 @@ class CompressionSession:
         reconstructs = getattr(self.method, "needs_reconstruction", False) and not self.budget.is_full
         self._reconstruct_pending = reconstructs
         self._record_prefill_stats(layers, check=not self.method.needs_logits and not reconstructs)
-        if self.compile:
+        self._static_pending = bool(self.compile)
+        if self.compile and (self.budget.is_full or not self.method.static_after_first_step()):
             self._to_static()
 
     def _record_prefill_stats(self, layers: list[KVLayer], check: bool) -> None:
@@ -559,6 +574,8 @@ class CompressionSession:
             self._bound_to_window(layer, spec.window, untouched=not acts)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
+        if self._static_pending and idx == self._last_attention_layer:  # static_after_first_step: from the next step
+            self._to_static()
         return out, None
 
     def _record_attended(self, attended, acts: bool) -> None:

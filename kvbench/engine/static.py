@@ -26,11 +26,14 @@ import torch
 
 from kvbench.engine.cache import KVLayer
 from kvbench.engine.scores import page_bounds
+from kvbench.methods.d2o_ops import static_merge_evict
+from kvbench.methods.omnikv_select import select_by_last_query, slide_window, window_choice
 
 #: what a method does at a decode step, in a form the static step can run
-EVICTIONS = ("none", "oldest", "score")
-#: which entries a step attends to: all valid ones, or Quest's critical pages
-SELECTIONS = ("none", "pages")
+EVICTIONS = ("none", "oldest", "score", "merge")
+#: which entries a step attends to: all valid ones, Quest's critical pages, or OmniKV's prompt tokens chosen by a
+#: filter layer (``filter`` chooses them and attends to everything, ``segment`` attends to the choice)
+SELECTIONS = ("none", "pages", "filter", "segment")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,15 @@ class StaticPolicy:
     ``recent`` newest positions leaves). ``accumulate``: add each step's attention probabilities (mean over the GQA
     group) to the entries' scores (H2O's running column sums, state ``acc``). ``select="pages"`` (Quest, which never
     evicts): the step attends only to the ``pages`` pages of ``page_size`` slots with the highest criticality bound
-    (the newest entry's page always among them; the KV group's bounds aggregated by ``group_agg``)."""
+    (the newest entry's page always among them; the KV group's bounds aggregated by ``group_agg``).
+
+    ``evict="merge"`` (D2O): ``score``'s victim with per-row sinks and recent counts (``layer.row_state``), merged into
+    its most similar entry through D2O's EMA gate (``methods.d2o_ops.static_merge_evict``, parameters ``merge``:
+    ``(beta, similarity feature, merge weights, add the merged score, the official code's gate)``); ``acc_agg``: how
+    the GQA group's probabilities are accumulated (``mean`` or ``max``). ``select="filter"`` / ``"segment"`` (OmniKV,
+    batch 1, slots in position order): a filter layer chooses the ``top`` of the ``prompt`` first slots by its query
+    (``methods.omnikv_select.select_by_last_query``, ``selector``) into the selection of ``source`` and attends to
+    everything; a segment's sparse layers attend to that selection and every slot after the prompt."""
 
     evict: str = "none"
     sinks: int = 0
@@ -50,12 +61,21 @@ class StaticPolicy:
     page_size: int = 1
     pages: int = 0
     group_agg: str = "max"
+    acc_agg: str = "mean"
+    merge: tuple | None = None
+    prompt: int = 0
+    top: int = 0
+    selector: str = "last"
+    window_reading: str = "official_code"
+    source: int = -1
 
     def __post_init__(self) -> None:
         if self.evict not in EVICTIONS:
             raise ValueError(f"StaticPolicy.evict={self.evict!r}; valid: {', '.join(EVICTIONS)}")
         if self.select not in SELECTIONS:
             raise ValueError(f"StaticPolicy.select={self.select!r}; valid: {', '.join(SELECTIONS)}")
+        if self.evict == "merge" and (self.merge is None or not self.accumulate):
+            raise ValueError("StaticPolicy: evict='merge' needs its merge parameters and accumulated scores")
         if self.select != "none" and self.evict != "none":
             raise ValueError("StaticPolicy: a page selection runs on a cache that never evicts (slots in position "
                              "order)")
@@ -147,24 +167,48 @@ def page_selection(keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor,
 def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                 acc: torch.Tensor | None, capacity: torch.Tensor, query: torch.Tensor, scaling: float, evict: str,
                 sinks: int, recent: int, select: str = "none", page_size: int = 1, pages: int = 0,
-                group_agg: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
+                group_agg: str = "max", acc_agg: str = "mean", merge: tuple | None = None,
+                row_state: dict[str, torch.Tensor] | None = None, chosen: torch.Tensor | None = None, prompt: int = 0,
+                top: int = 0, selector: str = "last", window_reading: str = "official_code",
+                rope_inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's decode step on a static layer: attention of ``query`` ``(B, Hq, 1, D)`` over the valid slots of
-    ``keys``/``values`` ``(B, Hkv, C, D)`` (those of the chosen pages with ``select="pages"``), ``acc`` += the step's
-    probabilities (mean over each GQA group), then, where a (row, head) holds more than ``capacity`` ``(B, 1, 1)``
-    entries, the eviction of one (its ``valid`` bit cleared). Returns the output ``(B, 1, Hq, D)`` and the entries
-    attended per (row, head), a device scalar. Pure tensor code without host reads or data-dependent shapes: compiled
-    once by ``torch.compile(fullgraph=True)``."""
+    ``keys``/``values`` ``(B, Hkv, C, D)`` (those of the chosen pages with ``select="pages"``, of OmniKV's selection
+    ``chosen`` ``(B, 1, prompt)`` and the slots after the prompt with ``select="segment"``), ``acc`` += the step's
+    probabilities (mean, or max with ``acc_agg="max"``, over each GQA group), then, where a (row, head) holds more
+    than ``capacity`` ``(B, 1, 1)`` entries, the eviction of one (its ``valid`` bit cleared; merged first with
+    ``evict="merge"``, D2O, whose per-row state is ``row_state``). ``select="filter"`` writes this step's choice of
+    prompt slots into ``chosen``. Returns the output ``(B, 1, Hq, D)`` and the entries attended per (row, head), a
+    device scalar. Pure tensor code without host reads or data-dependent shapes: compiled once by
+    ``torch.compile(fullgraph=True)``."""
     b, hq, q, d = query.shape
-    hkv = keys.shape[1]
+    hkv, c = keys.shape[1], keys.shape[2]
     qg = query.view(b, hkv, hq // hkv, q, d)
-    attended = valid if select == "none" else page_selection(keys, valid, query, page_size, pages, group_agg)
+    if select == "pages":
+        attended = page_selection(keys, valid, query, page_size, pages, group_agg)
+    elif select == "segment":  # the filter layer's choice of prompt slots, and every slot after the prompt
+        after = torch.ones(b, 1, c - prompt, dtype=torch.bool, device=valid.device)
+        attended = valid & torch.cat([chosen, after], dim=-1)
+    else:
+        attended = valid
+    if select == "filter" and selector in ("uniform", "exp"):  # OmniKV's window of recent queries (row_state)
+        newest = positions[:, 0].masked_fill(~valid[:, 0], -1).amax(-1)  # (B,): this step's token
+        slide_window(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], query, newest)
+        chosen.copy_(window_choice(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], keys[:, :, :prompt],
+                                   scaling, top, selector, window_reading, rope_inv_freq).unsqueeze(1))
+    elif select == "filter":  # OmniKV's filter layer: the top prompt slots by this step's query, for its segment
+        index = select_by_last_query(query, keys[:, :, :prompt], scaling, top, softmax=selector != "last")
+        chosen.copy_(torch.zeros_like(chosen).scatter_(-1, index.unsqueeze(1), True))
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * scaling
     logits = logits.masked_fill(~attended.view(b, hkv, 1, 1, -1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, d)
     if acc is not None:
-        acc.add_(probs.sum(3).mean(2))
-    if evict != "none":
+        step = probs.sum(3)
+        acc.add_(step.mean(2) if acc_agg == "mean" else step.amax(2))
+    if evict == "merge":
+        count = valid.sum() // valid[..., 0].numel()  # before the eviction: the victim was attended
+        static_merge_evict(keys, values, positions, valid, acc, capacity, row_state, *merge)
+    elif evict != "none":
         newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
         candidate = valid & (positions >= sinks)
         if evict == "score":
@@ -183,7 +227,11 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
 
 @functools.cache
 def compiled_step(backend: str | None, mode: str | None):
-    """``static_step`` compiled once per (backend, mode) for the process: sessions share the graphs."""
+    """``static_step`` compiled once per (backend, mode) for the process: sessions share the graphs. Each policy (the
+    eviction and selection kinds, their sizes) is a graph of its own, all cached on ``static_step``'s code object: a
+    process that decodes with several methods (a test session, a sweep run in one process) holds more than dynamo's
+    default limit of 8, which under ``fullgraph=True`` raises instead of falling back, so the limit is raised."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     options = {"backend": backend} if backend is not None else {"mode": mode}
     return torch.compile(static_step, fullgraph=True, **options)
 

@@ -128,6 +128,16 @@ class Method:
         (re-rotating keys in place)."""
         return False
 
+    def static_after_first_step(self) -> bool:
+        """``engine.compile``: the layers become static after the first decode step instead of after prefill (a method
+        that compresses the prompt at its first decode step, D2O's official code: that step runs on the default
+        path)."""
+        return False
+
+    def static_refusal(self) -> str:
+        """Why ``static_policy`` is None (one line, in ``engine.compile``'s refusal)."""
+        return "it merges, attends itself or scores by the logits"
+
     def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
         """What a prompt of ``prompt_len`` tokens must show under ``budget`` on a model of ``num_layers`` attention
         layers (see ``compression``): "none" when the budget holds the whole prompt. A method whose own fields decide

@@ -27,6 +27,7 @@ from kvbench.methods.base import (
 )
 from kvbench.methods.d2o_ops import (
     ALLOCATIONS,
+    PASSES,
     allocate,
     ema_gate,
     layer_density,
@@ -55,9 +56,6 @@ VARIANT_DEFAULTS = {"paper": {"beta": 0.7, "recent_fraction": 0.25},
 # the official code's behaviours that bug_compat switches on together (each is also a field of its own)
 BUG_COMPAT = ("granularity", "keep_edge_layers", "carry_tau")
 NEVER = 2**62  # capacity of a layer the official code never compresses
-# similarity feature -> passes of (feature the cosine is computed on, tensors merged with its decisions)
-PASSES = {"key": [("key", ("keys", "values"))], "value": [("value", ("keys", "values"))],
-          "key_value": [("key", ("keys",)), ("value", ("values",))]}
 
 
 @dataclass
@@ -250,6 +248,27 @@ class D2O(Method):
         step = step.mean(2) if self.group_agg == "mean" else step.amax(2)
         layer.state["acc"] = layer.state["acc"] + step
         self._compress(layer, ctx.layer_idx)
+
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """``engine.compile``: the same step on a fixed-capacity layer (``d2o_ops.static_merge_evict``): one
+        eviction per step, merged through the EMA gate, the state in ``row_state``. ``variant=official_code``
+        compresses the whole prompt at the first decode step (many evictions at once): that step runs on the default
+        path and the layers become static after it (``static_after_first_step``); a row the code never compresses
+        (capacity ``NEVER``) never holds more than its capacity, so it never evicts."""
+        from kvbench.engine.static import StaticPolicy
+
+        if self.carry_tau:
+            return None
+        official = self.variant == "official_code"
+        weights = "official" if official else self.merge_weights
+        return StaticPolicy("merge", accumulate=True, acc_agg=self.group_agg,
+                            merge=(self.beta, self.similarity_feature, weights, self.merge_score == "add", official))
+
+    def static_after_first_step(self) -> bool:
+        return self.variant == "official_code"
+
+    def static_refusal(self) -> str:
+        return "carry_tau keeps each layer's threshold across samples, which the static layers do not hand back"
 
     # ---- eviction + merging ---------------------------------------------------------------------------------------
     def _compress(self, layer: KVLayer, layer_idx: int) -> None:

@@ -15,6 +15,9 @@ import torch.nn.functional as F
 #: variance; kvbench_zscore: softmax(-z(F)), kvbench's own reading (methods.md A1.7 item 1); the rest: Table 4
 ALLOCATIONS = ("official_code", "paper_literal", "kvbench_zscore", "exponential_decay", "uniform",
                "reciprocal_variance")
+#: similarity feature -> passes of (feature the cosine is computed on, tensors merged with its decisions)
+PASSES = {"key": [("key", ("keys", "values"))], "value": [("value", ("keys", "values"))],
+          "key_value": [("key", ("keys",)), ("value", ("values",))]}
 
 
 # ---- layer level ---------------------------------------------------------------------------------------------------
@@ -226,6 +229,30 @@ def official_gate(m: torch.Tensor, e_valid: torch.Tensor | None, tau: torch.Tens
     return merge.unsqueeze(1).expand_as(m), new.double().unsqueeze(-1)
 
 
+def _merge_weights(m: torch.Tensor, merge: torch.Tensor, weights: str) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The self weight, the evicted entries' weights and their counts ``(B, H, e)`` of a merge (see ``merge_into``)."""
+    flag = merge.float()
+    m = m.float().masked_fill(~merge, 0.0)
+    if weights == "weighted":
+        w = torch.exp(m) * flag
+        return math.e, w, w
+    if weights == "average":
+        return 1.0, flag, flag
+    if weights == "official":
+        return 1.0, m * flag, flag
+    raise ValueError(f"unknown merge weights {weights!r}")
+
+
+def _merged_rows(x: torch.Tensor, idx_t: torch.Tensor, evicted: torch.Tensor, self_w: float, w: torch.Tensor,
+                 cnt: torch.Tensor) -> torch.Tensor:
+    """The one target row per (row, head) ``(B, H, 1, D)`` after a decode step's merge of the evicted entry (the row
+    unchanged where nothing merges): shared by ``merge_into`` and the static step, so both compute the same bits."""
+    xc = torch.gather(x, 2, idx_t)
+    xe = torch.gather(x, 2, evicted.unsqueeze(-1).expand(*evicted.shape, x.shape[-1])).float()
+    merged = (self_w * xc.float() + w.unsqueeze(-1) * xe) / (self_w + cnt).unsqueeze(-1)
+    return torch.where((cnt > 0).unsqueeze(-1), merged.to(x.dtype), xc)
+
+
 def merge_into(x: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, m: torch.Tensor, merge: torch.Tensor,
                weights: str) -> torch.Tensor:
     """Merge the flagged evicted entries of ``x`` ``(B, H, n, D)`` into their targets; returns the new tensor.
@@ -234,27 +261,66 @@ def merge_into(x: torch.Tensor, evicted: torch.Tensor, target: torch.Tensor, m: 
     {self} u G_c with self logit 1; ``average``: (x_c + sum x_e) / (1 + |G_c|); ``official``: the official code's
     ``scatter_reduce(mean, include_self)`` of ``u_e * x_e``, i.e. (x_c + sum u_e x_e) / (1 + |G_c|).
     """
-    flag = merge.float()
-    m = m.float().masked_fill(~merge, 0.0)
-    if weights == "weighted":
-        self_w, w = math.e, torch.exp(m) * flag
-        cnt = w
-    elif weights == "average":
-        self_w, w, cnt = 1.0, flag, flag
-    elif weights == "official":
-        self_w, w, cnt = 1.0, m * flag, flag
-    else:
-        raise ValueError(f"unknown merge weights {weights!r}")
+    self_w, w, cnt = _merge_weights(m, merge, weights)
     d = x.shape[-1]
     if evicted.shape[-1] == 1:  # a decode step: one target per (row, head); update its row only
         idx_t = target.unsqueeze(-1).expand(*target.shape, d)
-        xc = torch.gather(x, 2, idx_t)
-        xe = torch.gather(x, 2, evicted.unsqueeze(-1).expand(*evicted.shape, d)).float()
-        merged = (self_w * xc.float() + w.unsqueeze(-1) * xe) / (self_w + cnt).unsqueeze(-1)
-        return x.scatter(2, idx_t, torch.where((cnt > 0).unsqueeze(-1), merged.to(x.dtype), xc))
+        return x.scatter(2, idx_t, _merged_rows(x, idx_t, evicted, self_w, w, cnt))
     xf = x.float()
     xe = torch.gather(xf, 2, evicted.unsqueeze(-1).expand(*evicted.shape, d))
     num = torch.zeros_like(xf).scatter_add_(2, target.unsqueeze(-1).expand(*target.shape, d), w.unsqueeze(-1) * xe)
     den = torch.zeros(x.shape[:3], dtype=torch.float32, device=x.device).scatter_add_(2, target, cnt)
     merged = (self_w * xf + num) / (self_w + den).unsqueeze(-1)
     return torch.where((den > 0).unsqueeze(-1), merged.to(x.dtype), x)
+
+
+# ---- the decode step on a fixed-capacity cache (engine.compile) -----------------------------------------------------
+def _first_by_position(tie: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The slot ``(B, H, 1)`` of the lowest position among the slots ``tie`` marks: the entry the default path's
+    ``argmin``/``max`` picks among equal values (its entries are in position order, the first one wins)."""
+    return torch.argmin(positions.masked_fill(~tie, torch.iinfo(positions.dtype).max), dim=-1, keepdim=True)
+
+
+def static_merge_evict(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                       acc: torch.Tensor, capacity: torch.Tensor, row_state: dict[str, torch.Tensor], beta: float,
+                       feature: str, weights: str, add_score: bool, official: bool = False) -> None:
+    """D2O's decode step (``D2O._compress`` of one step) on a static layer, in place: where a (row, head) holds more
+    than ``capacity`` ``(B, 1, 1)`` valid slots, the entry with the lowest ``acc`` outside its ``d2o_sinks`` first and
+    ``d2o_recent`` newest entries (ranks by position among the valid slots; per row in ``row_state``) is merged into
+    its most similar other valid entry when the EMA gate lets it (``ema_gate``, tau per (row, head) in ``row_state``;
+    ``official``: ``official_gate``, one decision per row from the head mean, tau per row), and its ``valid`` bit is
+    cleared. Ties go to the lowest position, as on the default path, whose entries are in position order. No host
+    read, no data-dependent shape."""
+    b, h, c = valid.shape
+    big = torch.iinfo(positions.dtype).max
+    order = torch.argsort(positions.masked_fill(~valid, big), dim=-1)  # valid slots first, by position
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c, device=order.device).expand(b, h, c))
+    counts = valid.sum(-1, keepdim=True)
+    sinks, recent = row_state["d2o_sinks"].view(-1, 1, 1), row_state["d2o_recent"].view(-1, 1, 1)
+    protect = (rank < sinks) | (rank >= counts - recent)
+    score = acc.masked_fill(protect | ~valid, float("inf"))
+    lowest = score.amin(-1, keepdim=True)  # inf where every valid entry is protected: the first one goes, as there
+    victim = _first_by_position(valid & (score == lowest), positions)  # (B, H, 1)
+    over = counts > capacity  # (B, H, 1): a cache within its size keeps growing up to it
+    others = valid.scatter(-1, victim, False)
+    for number, (feat, tensors) in enumerate(PASSES[feature]):
+        f = F.normalize((keys if feat == "key" else values).float(), dim=-1)
+        fe = torch.gather(f, 2, victim.unsqueeze(-1).expand(b, h, 1, f.shape[-1]))
+        u = torch.einsum("bhed,bhkd->bhek", fe, f)[:, :, 0].masked_fill(~others, float("-inf"))  # (B, H, C)
+        m = u.amax(-1, keepdim=True)
+        target = _first_by_position(others & (u == m), positions)
+        tau = row_state[f"d2o_tau_{feat}"]
+        if official:  # every head of a row evicts at once (one capacity per row): the row's first head says when
+            merge, updated = official_gate(m, None, tau, beta)
+            tau.copy_(torch.where(over[:, :1, 0], updated, tau))
+        else:
+            merge, updated = ema_gate(m, None, tau, beta)
+            tau.copy_(torch.where(over[..., 0], updated, tau))
+        merge = merge & over
+        if add_score and number == 0:
+            acc.scatter_add_(-1, target, torch.gather(acc, -1, victim).masked_fill(~merge, 0.0))
+        self_w, w, cnt = _merge_weights(m, merge, weights)
+        for x in ({"keys": keys, "values": values}[name] for name in tensors):
+            idx_t = target.unsqueeze(-1).expand(b, h, 1, x.shape[-1])
+            x.scatter_(2, idx_t, _merged_rows(x, idx_t, victim, self_w, w, cnt))
+    valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)

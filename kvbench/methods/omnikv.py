@@ -103,6 +103,7 @@ class OmniKV(Method):
         self._window_queries: dict[int, torch.Tensor] = {}  # filter layer -> last ``window`` queries (B, Hq, w, D)
         self._window_positions: dict[int, torch.Tensor] = {}  # filter layer -> their positions (B, w)
         self._prefill_len = 0
+        self._num_layers = 0  # layers of the last prefill (static_policy's layer roles)
         self._bank: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sparse layer -> prompt K, V on the CPU
         self._said_noop = False
 
@@ -177,6 +178,7 @@ class OmniKV(Method):
             self._window_queries.clear()
             self._window_positions.clear()
             self._prefill_len = ctx.n
+            self._num_layers = ctx.num_layers
         if ctx.layer_idx in self.filters(ctx.num_layers) and self.selector in ("uniform", "exp"):
             if self.window_reading == "official_code" and ctx.rope_inv_freq is None:
                 raise NotAvailableError(
@@ -186,6 +188,12 @@ class OmniKV(Method):
                 )
             self._window_queries[ctx.layer_idx] = ctx.queries[..., -self.window :, :]
             self._window_positions[ctx.layer_idx] = layer.positions[:, 0, -self.window :]
+            # engine.compile's copy, always ``window`` rows (empty rows at position -1 before a short prompt)
+            short = self.window - self._window_queries[ctx.layer_idx].shape[2]
+            layer.row_state["omnikv_window_q"] = torch.nn.functional.pad(self._window_queries[ctx.layer_idx],
+                                                                         (0, 0, short, 0))
+            layer.row_state["omnikv_window_pos"] = torch.nn.functional.pad(self._window_positions[ctx.layer_idx],
+                                                                           (short, 0), value=-1)
 
     def finish_prefill(self, layers: list[KVLayer], ctx: PrefillContext) -> None:
         self._bank.clear()
@@ -206,6 +214,28 @@ class OmniKV(Method):
             bank_k, bank_v = layer.keys[:, :, :n].to("cpu"), layer.values[:, :, :n].to("cpu")
             self._bank[idx] = (bank_k.pin_memory(), bank_v.pin_memory()) if pin else (bank_k, bank_v)
             layer.keys, layer.values = layer.keys[:, :, n:].clone(), layer.values[:, :, n:].clone()
+
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """``engine.compile`` (every selector, no offload): the filter layer's step writes its top-k prompt slots into a
+        selection its segment's sparse layers attend through (with every generated token); nothing is evicted, so
+        slots stay in position order. The window selectors slide a fixed window of ``window`` rows in ``row_state``
+        (``omnikv_select.window_choice``: the window's prompt rows a tensor, the forced tokens first of a fixed
+        top-k). Before the first prefill (the session's check) the layer roles are not known yet: a plain policy."""
+        from kvbench.engine.static import StaticPolicy
+
+        if self.offload != "off":
+            return None
+        n, num_layers = self._prefill_len, self._num_layers
+        if not num_layers or self.selected_tokens(n, num_layers) >= n:
+            return StaticPolicy()  # every layer attends densely (the default path's ``_choose`` gives None)
+        if layer_idx in self.filters(num_layers):
+            return StaticPolicy(select="filter", source=layer_idx, prompt=n, top=self.selected_tokens(n, num_layers),
+                                selector=self.selector, window_reading=self.window_reading)
+        source = self._segment_filter(layer_idx, num_layers)
+        return StaticPolicy() if source is None else StaticPolicy(select="segment", source=source, prompt=n)
+
+    def static_refusal(self) -> str:
+        return f"offload={self.offload} gathers the selected tokens from a context bank on the host"
 
     def attend(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
         if ctx.layer_idx not in self._bank:

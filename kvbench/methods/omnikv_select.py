@@ -52,6 +52,45 @@ def select_by_window(recent: torch.Tensor, positions: torch.Tensor, keys: torch.
     return torch.cat([chosen, forced], dim=-1)
 
 
+def slide_window(recent: torch.Tensor, positions: torch.Tensor, query: torch.Tensor, position: torch.Tensor) -> None:
+    """In place (``engine.compile``): the window's queries ``(B, Hq, w, D)`` and positions ``(B, w)`` move up by one
+    row and take the step's query ``(B, Hq, 1, D)`` at ``position`` ``(B,)``; rows at position -1 are empty (a prompt
+    shorter than the window)."""
+    recent.copy_(torch.cat([recent[:, :, 1:], query[:, :, -1:]], dim=2))
+    positions.copy_(torch.cat([positions[:, 1:], position.view(-1, 1)], dim=1))
+
+
+def window_choice(recent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, scaling: float, k: int,
+                  selector: str, window_reading: str, rope_inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """``select_by_window``'s choice as a mask ``(B, n)`` over the prompt, with the window's prompt rows ``p`` a tensor
+    (no host read, fixed shapes: ``engine.compile``): the columns the official reading leaves out of the softmax are
+    masked instead of cut, and its ``max(1, k - p) + p`` tokens are the first of a fixed ``topk`` with the forced ones
+    at +inf. Empty window rows (position -1) weigh nothing, and ``exp``'s weights count from the newest row, as the
+    default path's shorter window does."""
+    b, hq, w, _ = recent.shape
+    n = keys.shape[2]
+    held = positions >= 0
+    weights = torch.ones(w, device=recent.device)
+    if selector == "exp":
+        weights = 2.0 ** (torch.arange(w, device=recent.device) - (w - 1)).float()
+    weights = (weights.view(1, w) * held).unsqueeze(-1)  # (B, w, 1)
+    prompt_rows = (held & (positions < n)).sum(-1, keepdim=True)  # (B, 1)
+    forced = torch.arange(n, device=keys.device).view(1, n) >= n - prompt_rows  # (B, n)
+    if window_reading == "paper":
+        probs = torch.softmax(_logits(recent, keys, scaling), dim=-1).amax(dim=(1, 2))  # (B, w, n)
+        scores = (probs * weights).sum(1).masked_fill(forced, float("inf"))
+        return torch.zeros_like(forced).scatter(-1, torch.topk(scores, k, dim=-1).indices, True)
+    delta = (positions[:, -1:] - positions).float().view(b, 1, w).expand(b, hq, w)
+    rotated = rotate_keys(recent.float(), delta, rope_inv_freq.to(recent.device)).to(keys.dtype)
+    logits = _logits(rotated, keys, scaling).masked_fill(forced.view(b, 1, 1, 1, n), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).amax(dim=(1, 2))
+    scores = (probs * weights).sum(1).masked_fill(forced, float("inf"))  # every column forced: NaNs replaced
+    total = torch.clamp(k - prompt_rows, min=1) + prompt_rows  # (B, 1)
+    top = torch.topk(scores, min(n, max(k, w)), dim=-1)  # sorted: the forced first, then the best of the others
+    keep = torch.arange(top.indices.shape[-1], device=keys.device).view(1, -1) < total
+    return torch.zeros_like(forced).scatter(-1, top.indices, keep)
+
+
 def _logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """``(B, Hkv, g, w, n)`` float logits of queries ``(B, Hq, w, D)`` against keys ``(B, Hkv, n, D)`` (query head h
     uses KV head ``h // g``, as ``repeat_kv``)."""
