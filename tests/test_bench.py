@@ -225,7 +225,6 @@ def test_budget_bytes_follow_the_layer_types(family):
     from types import SimpleNamespace
 
     from helpers import WINDOW, tiny_family
-
     from kvbench.bench.run import budget_bytes
     from kvbench.budget import Budget
     from kvbench.engine import CompressionSession, KVCache
