@@ -431,3 +431,21 @@ def test_kvpress_leaderboard_preset_is_ruler_4k_at_the_leaderboards_ratios(plann
     assert think.storage == "kvpress_zero" and think.inner.name == "snapkv" and think.inner.window == 64
     assert think.inner.kernel == 5
 
+
+def test_cpu_query_agnostic_presets_plan_after_compression(planner):
+    """The miniature's query-agnostic column plans the miniature's budget-128 needle_chat / passkey jobs with the
+    question after compression (OmniKV and POD, which refuse it, are left out); the new-methods group plans every
+    method in both placements at both ratios, FullKV once per task and placement."""
+    qa = plan_experiment(planner, "cpu_miniature_query_agnostic")
+    assert not [j.label for j in qa if j.status == "invalid"]
+    assert {j.cfg.question for j in qa} == {"after_compression"} and len(qa) == 14
+    assert {j.method for j in qa} == {"fullkv", "snapkv", "h2o", "streamingllm", "d2o", "dynamickv", "kvmerger"}
+    assert {j.budget for j in qa} == {"128", "full"} and {j.task for j in qa} == {"needle", "passkey"}
+    new = plan_experiment(planner, "cpu_new_methods")
+    assert not [f"{j.label}: {j.detail}" for j in new if j.status == "invalid"]
+    assert len(new) == 3 * 2 * (1 + 9 * 2)
+    assert {j.cfg.method.name for j in new} == {"fullkv", "snapkv", "knorm", "keydiff", "tova", "expected_attention",
+                                                "adakv", "chunkkv", "kvzip", "think"}
+    for question in ("with_context", "after_compression"):
+        mine = [j for j in new if j.cfg.question == question]
+        assert {j.budget for j in mine} == {"0.25", "0.5", "full"} and len(mine) == 57, question
