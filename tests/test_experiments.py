@@ -394,21 +394,60 @@ def test_the_csv_mapping_can_fail():
 KVPRESS_LEADERBOARD_RATIOS = {0.25, 0.5, 0.75, 0.875}
 
 
+#: the presses of the preset (kvbench names) and the kvpress reading each must run with
+KVPRESS_LEADERBOARD_METHODS = {"snapkv", "streamingllm", "h2o", "knorm", "keydiff", "tova", "expected_attention",
+                               "adakv", "chunkkv", "kvzip", "think"}
+
+
 def test_kvpress_leaderboard_preset_is_ruler_4k_at_the_leaderboards_ratios(planner):
     """conf/experiment/kvpress_leaderboard.yaml composes, and its budgets are the leaderboard's ratios as kept
-    fractions (kvbench's ratio budget keeps, kvpress's compression_ratio removes): budget = 1 - r."""
+    fractions (kvbench's ratio budget keeps, kvpress's compression_ratio removes): budget = 1 - r; every press runs
+    with the question compressed (the query-aware rows) and after compression (the leaderboard's main rows)."""
     jobs = plan_experiment(planner, "kvpress_leaderboard")
     invalid = [f"{j.label}: {j.detail}" for j in jobs if j.status == "invalid"]
     assert not invalid, invalid
     assert {j.model for j in jobs} == {"llama3.1-8b-instruct"} and {j.task for j in jobs} == {"ruler"}
     assert all(list(j.cfg.task.context_lengths) == [4096] for j in jobs)
-    assert sorted(j.method for j in jobs if j.budget == "full") == ["fullkv"]
+    assert sorted((j.method, j.cfg.question) for j in jobs if j.budget == "full") == [
+        ("fullkv", "after_compression"), ("fullkv", "with_context")]
     compressed = [j for j in jobs if j.method != "fullkv"]
-    assert {j.method for j in compressed} == {"snapkv", "streamingllm", "h2o"} and len(compressed) == 12
-    for method in ("snapkv", "streamingllm", "h2o"):
-        kept = {float(j.budget) for j in compressed if j.method == method}
-        assert {round(1 - b, 6) for b in kept} == KVPRESS_LEADERBOARD_RATIOS, (method, kept)
-    by_method = {j.method: j.cfg.method for j in compressed}
+    names = {j.cfg.method.name for j in compressed}
+    assert names == KVPRESS_LEADERBOARD_METHODS and len(compressed) == 2 * 4 * len(KVPRESS_LEADERBOARD_METHODS)
+    for method in KVPRESS_LEADERBOARD_METHODS:
+        for question in ("with_context", "after_compression"):
+            kept = {float(j.budget) for j in compressed if j.cfg.method.name == method and j.cfg.question == question}
+            assert {round(1 - b, 6) for b in kept} == KVPRESS_LEADERBOARD_RATIOS, (method, question, kept)
+    by_method = {j.cfg.method.name: j.cfg.method for j in compressed}
     assert by_method["snapkv"].window == 64 and by_method["snapkv"].kernel == 5
     assert by_method["streamingllm"].variant == "kvfactory" and by_method["streamingllm"].window is None
     assert by_method["h2o"].variant == "prefill_only"
+    assert by_method["keydiff"].mode == "whole_prompt" and by_method["tova"].variant == "kvpress_prefill"
+    for wrapper in ("adakv", "chunkkv"):  # AdaKVPress(SnapKVPress()), ChunkKVPress(SnapKVPress(), 20)
+        cfg = by_method[wrapper]
+        assert cfg.scorer == "snapkv" and dict(cfg.scorer_fields) == {"window": 64, "kernel": 5}, wrapper
+    assert by_method["adakv"].layout == "kvpress_mask"
+    assert by_method["chunkkv"].variant == "kvpress" and by_method["chunkkv"].chunk_length == 20
+    think = by_method["think"]  # kvpress snap_think: ComposedPress([SnapKVPress(), ThinKPress()])
+    assert think.storage == "kvpress_zero" and think.inner.name == "snapkv" and think.inner.window == 64
+    assert think.inner.kernel == 5
+
+
+def test_cpu_query_agnostic_presets_plan_after_compression(planner):
+    """The miniature's query-agnostic column plans the miniature's budget-128 needle_chat / passkey jobs with the
+    question after compression (OmniKV and POD, which refuse it, are left out) and D2O's with_context jobs under
+    today's default; the new-methods group plans every
+    method in both placements at both ratios, FullKV once per task and placement."""
+    qa = plan_experiment(planner, "cpu_miniature_query_agnostic")
+    assert not [j.label for j in qa if j.status == "invalid"]
+    after = [j for j in qa if j.cfg.question == "after_compression"]
+    assert len(after) == 14 and [j.method for j in qa if j not in after] == ["d2o", "d2o"]  # D2O's rerun default
+    assert {j.method for j in after} == {"fullkv", "snapkv", "h2o", "streamingllm", "d2o", "dynamickv", "kvmerger"}
+    assert {j.budget for j in qa} == {"128", "full"} and {j.task for j in qa} == {"needle", "passkey"}
+    new = plan_experiment(planner, "cpu_new_methods")
+    assert not [f"{j.label}: {j.detail}" for j in new if j.status == "invalid"]
+    assert len(new) == 3 * 2 * (1 + 9 * 2)
+    assert {j.cfg.method.name for j in new} == {"fullkv", "snapkv", "knorm", "keydiff", "tova", "expected_attention",
+                                                "adakv", "chunkkv", "kvzip", "think"}
+    for question in ("with_context", "after_compression"):
+        mine = [j for j in new if j.cfg.question == question]
+        assert {j.budget for j in mine} == {"0.25", "0.5", "full"} and len(mine) == 57, question

@@ -14,7 +14,11 @@ Blocks:
   protocol and metric hand-written in ``readme.yaml``;
 * ``miniature-summary``, ``miniature-verdicts``, ``miniature-claims``: the CPU miniature's % of FullKV per method and
   budget, its verdict table and a one-line-per-claim summary, evaluated from ``results/cpu_miniature`` (its
-  ``claims.yaml`` and committed runs) exactly as ``report/claims.md`` is.
+  ``claims.yaml`` and committed runs) exactly as ``report/claims.md`` is;
+* ``question-miniature``: the miniature's budget-128 needle_chat and passkey runs with ``question=with_context``
+  (``results/cpu_miniature``) beside the same jobs with ``question=after_compression``
+  (``results/cpu_miniature_query_agnostic``), by ``kvbench.report.question``;
+* ``question-new-methods``: the same two columns for ``results/cpu_new_methods`` (both modes in one directory).
 """
 
 from __future__ import annotations
@@ -31,8 +35,15 @@ from typing import Any
 import yaml
 
 #: the files holding generated blocks, relative to the repository root
-FILES = ("README.md", "results/cpu_miniature/README.md")
+FILES = ("README.md", "results/cpu_miniature/README.md", "results/cpu_miniature_query_agnostic/README.md",
+         "results/cpu_new_methods/README.md")
 MINIATURE = "results/cpu_miniature"
+QUERY_AGNOSTIC = "results/cpu_miniature_query_agnostic"
+NEW_METHODS = "results/cpu_new_methods"
+#: the miniature's query-agnostic column: its methods (OmniKV and POD refuse after_compression: their with_context
+#: rows stand alone), tasks and budget (POD's window 16 + 112 is the miniature's budget-128 POD)
+QA_METHODS = ["fullkv", "snapkv", "h2o", "streamingllm", "d2o", "dynamickv", "kvmerger", "omnikv", "pod"]
+QA_TASKS = ["needle_chat", "passkey"]
 DATA = Path(__file__).with_name("readme.yaml")
 MARKER = re.compile(r"<!-- kvbench:([a-z0-9-]+) -->\n(.*?)<!-- /kvbench:\1 -->", re.S)
 
@@ -205,12 +216,42 @@ def miniature_claims(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _question_block(runs: Any, **only: Any) -> str:
+    from kvbench.report.question import markdown, question_summary, question_table
+
+    return ("Mean % of FullKV over the tasks (each mode against its own FullKV run):\n\n"
+            + markdown(question_summary(runs, **only)) + "\nPer task (score, % of the same mode's FullKV, resident KV "
+            "after compression in MiB, samples with ctx / after compr.):\n\n" + markdown(question_table(runs, **only)))
+
+
+def question_miniature(root: Path) -> str:
+    import pandas as pd
+
+    from kvbench.report.store import load_runs
+
+    own = load_runs(root / QUERY_AGNOSTIC)
+    mini = load_runs(root / MINIATURE)
+    if not own.empty:  # a method rerun with_context here (D2O, under today's default) is read from here only
+        rerun = set(own.loc[own["question"] == "with_context", "method"])
+        mini = mini[~mini["method"].isin(rerun)]
+    runs = pd.concat([own, mini], ignore_index=True)
+    return _question_block(runs, tasks=QA_TASKS, budgets=["128", "window16+112"], methods=QA_METHODS)
+
+
+def question_new_methods(root: Path) -> str:
+    from kvbench.report.store import load_runs
+
+    return _question_block(load_runs(root / NEW_METHODS))
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "methods": methods_block,
     "tasks": tasks_block,
     "miniature-summary": miniature_summary,
     "miniature-verdicts": miniature_verdicts,
     "miniature-claims": miniature_claims,
+    "question-miniature": question_miniature,
+    "question-new-methods": question_new_methods,
 }
 
 
@@ -261,4 +302,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["BLOCKS", "FILES", "acts", "data", "defaults", "main", "methods_block", "miniature_claims",
-           "miniature_summary", "miniature_verdicts", "render", "stale", "task_configs", "task_folder", "tasks_block"]
+           "miniature_summary", "miniature_verdicts", "question_miniature", "question_new_methods", "render", "stale",
+           "task_configs", "task_folder", "tasks_block"]

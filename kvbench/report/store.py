@@ -13,8 +13,10 @@ fields that differ between this model's runs of the task, e.g. ``chat_template=T
 ``method_label`` (``h2o[variant=prefill_only]``: the name plus fields that differ from the method's defaults; POD is
 ``POD-TF``, kvbench's training-free POD),
 ``budget, metric, score, n_samples, limit, hash, path`` (relative to the results directory), ``task_cfg`` (the
-task protocol of the key), ``scores`` (the parsed ``scores.json``) and ``new_tokens`` ({sample id: generated tokens}
-from ``samples.jsonl``: what the runs tables pair with FullKV's for the output-length drift). Rows are sorted by
+task protocol of the key), ``scores`` (the parsed ``scores.json``), ``new_tokens`` ({sample id: generated tokens}
+from ``samples.jsonl``: what the runs tables pair with FullKV's for the output-length drift) and ``question``
+(``with_context`` or ``after_compression``: where the job fed the question; a run with the latter carries
+``question=after_compression`` in its ``protocol`` too). Rows are sorted by
 model, task, method label, budget and hash, so every reader sees the same order.
 """
 
@@ -35,7 +37,7 @@ from kvbench.store import canonical_json
 from kvbench.store.compression import uncompressed_reason
 
 RUN_COLUMNS = ["model", "task", "variant", "protocol", "method", "method_label", "budget", "metric", "score",
-               "n_samples", "limit", "hash", "path", "method_cfg", "task_cfg", "scores", "new_tokens"]
+               "n_samples", "limit", "hash", "path", "method_cfg", "task_cfg", "scores", "new_tokens", "question"]
 
 
 def job_dirs(results_dir: str | Path) -> list[Path]:
@@ -139,6 +141,10 @@ def read_run(path: Path, results_dir: Path) -> dict[str, Any] | None:
         "task_cfg": task_cfg,
         "scores": scores,
         "new_tokens": {},  # filled by load_runs for the runs it keeps
+        # where the question went (the key names it only when not the default, with_context); turns > 1 imply
+        # after_compression
+        "question": "after_compression" if int(key.get("turns", 1) or 1) > 1 else str(key.get("question")
+                                                                                     or "with_context"),
     }
 
 
@@ -185,7 +191,9 @@ def skip_uncompressed(results_dir: Path, path: str) -> bool:
 
 
 def _protocols(frame: pd.DataFrame) -> pd.Series:
-    """Per run, ``key=value`` of the task fields that vary among the runs of the same model and task."""
+    """Per run, ``key=value`` of the task fields that vary among the runs of the same model and task, then
+    ``question=after_compression`` for a run that fed its question after compression (such a run is compared with the
+    FullKV of its own question mode, never with the default's)."""
     out = pd.Series("", index=frame.index)
     for _, group in frame.groupby(["model", "task"], sort=False):
         configs = {i: {k: canonical_json(v) for k, v in cfg.items() if k != "fields"}
@@ -193,7 +201,10 @@ def _protocols(frame: pd.DataFrame) -> pd.Series:
         keys = sorted({k for c in configs.values() for k in c})
         varying = [k for k in keys if len({c.get(k) for c in configs.values()}) > 1]
         for i in configs:
-            out[i] = ",".join(f"{k}={_fmt(frame.at[i, 'task_cfg'].get(k))}" for k in varying)
+            parts = [f"{k}={_fmt(frame.at[i, 'task_cfg'].get(k))}" for k in varying]
+            if frame.at[i, "question"] != "with_context":
+                parts.append(f"question={frame.at[i, 'question']}")
+            out[i] = ",".join(parts)
     return out
 
 
