@@ -56,6 +56,24 @@ def test_judge_ratios_against_fullkv():
     assert [v["ok"] for v in judge(rows, targets, None)] == [False, False]
 
 
+def test_resident_bytes_against_a_multiple_of_the_budgets():
+    """``max_budget_ratio``: resident bytes at most that many times the budget's (AdaKV's padded heads, ChunkKV's
+    whole chunks); ``equals_budget`` stays exact."""
+    rows = [{"method": m, "budget": "4", "context_length": 8, "batch_size": 1, "kv_bytes_per_token": 10,
+             "resident_kv_bytes": b} for m, b in (("adakv", 42), ("chunkkv", 30), ("kvzip", 41))]
+    targets = [{"name": "t", "metric": "resident_kv_bytes", "context_length": 8, "methods": ["adakv", "kvzip"],
+                "max_budget_ratio": 1.05},
+               {"name": "u", "metric": "resident_kv_bytes", "context_length": 8, "methods": ["chunkkv"],
+                "max_budget_ratio": 1.0},
+               {"name": "v", "metric": "resident_kv_bytes", "context_length": 8, "methods": ["chunkkv"],
+                "equals_budget": True}]
+    out = judge(rows, targets, None)
+    assert [(v["method"], v.get("ratio"), v["expected"], v["ok"]) for v in out] == [
+        ("adakv", 1.05, 40, True), ("kvzip", 1.025, 40, True), ("chunkkv", 0.75, 40, True),
+        ("chunkkv", None, 40, False)]
+    assert "| 1.05 | <= 1.05 x budget | yes |" in targets_markdown(out)
+
+
 def test_paired_prefill_ratio_wins_over_separate_cells():
     """A paired cell's own FullKV timings judge it (drift between cells would read 2.2 / 2.0 = 1.1 here)."""
     rows = [{"method": "fullkv", "budget": "full", "context_length": 8, "batch_size": 1, "prefill_seconds": 2.0},

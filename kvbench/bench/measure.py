@@ -149,9 +149,11 @@ def _sig(seconds: float) -> float:
 
 
 @torch.inference_mode()
-def _prefill(model, method: Method, budget: Budget, ids: torch.Tensor) -> tuple[float, int]:
+def _prefill(model, method: Method, budget: Budget, ids: torch.Tensor, tokenizer=None) -> tuple[float, int]:
+    """One timed prompt forward; a method that feeds the model text of its own (KVzip's repeat prompt) runs those
+    forwards inside it (the session's forward hook), so they are in the time, as in the evaluation."""
     cache = KVCache()
-    with CompressionSession(model, method, budget) as session:
+    with CompressionSession(model, method, budget, tokenizer=tokenizer) as session:
         _sync(model.device)
         start = time.perf_counter()
         model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
@@ -179,29 +181,30 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
     model = loaded.model
     prompts = prompts_for(loaded.tokenizer, context_length, batch_size)
     ids = torch.tensor(prompts, device=model.device)
+    tok = loaded.tokenizer
     result = CellResult()
     if "memory" in metrics:
         with PeakMemory(model.device) as peak:
-            _, resident = _prefill(model, method, budget, ids)
+            _, resident = _prefill(model, method, budget, ids, tok)
         result.prefill_peak_bytes, result.resident_kv_bytes = peak.bytes, resident
     if "prefill" in metrics and baseline is None:
         for _ in range(warmup):
-            _prefill(model, method, budget, ids)
-        runs = [_prefill(model, method, budget, ids) for _ in range(repeats)]
+            _prefill(model, method, budget, ids, tok)
+        runs = [_prefill(model, method, budget, ids, tok) for _ in range(repeats)]
         result.prefill_seconds_all = [_sig(s) for s, _ in runs]
         result.prefill_seconds = statistics.median(s for s, _ in runs)
         result.resident_kv_bytes = runs[-1][1]
     elif "prefill" in metrics:  # paired: the baseline and the method alternate, so drift hits both alike
         for _ in range(warmup):
-            _prefill(model, *baseline, ids)
-            _prefill(model, method, budget, ids)
+            _prefill(model, *baseline, ids, tok)
+            _prefill(model, method, budget, ids, tok)
         runs, base = [], []
         for i in range(repeats):  # B M, M B, B M, ...: neither always runs first
             if i % 2 == 0:
-                base.append(_prefill(model, *baseline, ids)[0])
-            runs.append(_prefill(model, method, budget, ids))
+                base.append(_prefill(model, *baseline, ids, tok)[0])
+            runs.append(_prefill(model, method, budget, ids, tok))
             if i % 2 == 1:
-                base.append(_prefill(model, *baseline, ids)[0])
+                base.append(_prefill(model, *baseline, ids, tok)[0])
         result.prefill_seconds_all = [_sig(s) for s, _ in runs]
         result.prefill_seconds = statistics.median(s for s, _ in runs)
         result.resident_kv_bytes = runs[-1][1]
@@ -212,7 +215,7 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         outs = []
         for i in range(warmup + repeats):
             steps = new_tokens if i >= warmup or warmup_new_tokens is None else min(warmup_new_tokens, new_tokens)
-            with CompressionSession(model, method, budget, compile=compile) as session:
+            with CompressionSession(model, method, budget, compile=compile, tokenizer=tok) as session:
                 out = greedy_generate(model, prompts, steps, [], loaded.tokenizer.pad_token_id)
             if i >= warmup:
                 outs.append(out)
@@ -261,7 +264,8 @@ def max_batch(loaded, method: Method, budget: Budget, context_length: int, limit
             return peak is not None and peak <= limit_bytes
         prompts = prompts_for(loaded.tokenizer, context_length, batch)
         try:
-            with PeakMemory(loaded.model.device) as peak, CompressionSession(loaded.model, method, budget):
+            with PeakMemory(loaded.model.device) as peak, \
+                    CompressionSession(loaded.model, method, budget, tokenizer=loaded.tokenizer):
                 greedy_generate(loaded.model, prompts, new_tokens, [], loaded.tokenizer.pad_token_id)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()

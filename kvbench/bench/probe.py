@@ -65,7 +65,8 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
     if req["what"] != "generate":
         raise KVBenchError(f"bench probe: what={req['what']!r}; valid: prefill, generate")
     prompts = prompts_for(loaded.tokenizer, req["context_length"], req["batch_size"])
-    with PeakMemory(loaded.model.device) as peak, CompressionSession(loaded.model, method, budget) as session:
+    with PeakMemory(loaded.model.device) as peak, \
+            CompressionSession(loaded.model, method, budget, tokenizer=loaded.tokenizer) as session:
         greedy_generate(loaded.model, prompts, req["new_tokens"], [], loaded.tokenizer.pad_token_id)
     return {"peak_bytes": peak.bytes, "resident_kv_bytes": session.stats.resident_kv_bytes_after_prefill}
 

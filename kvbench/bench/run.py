@@ -5,7 +5,8 @@ max_batch, ``methods``, ``budgets`` (FullKV's are ignored), ``context_lengths``,
 ``new_tokens`` and ``repeats`` (else the bench's), ``method_overrides``, ``memory_limit_gb`` for max_batch, and
 ``paired: true`` to time each method's prefill alternately with FullKV's) and ``targets`` (each: ``metric``,
 ``context_length``, ``methods``, and ``max_ratio`` / ``min_ratio`` against FullKV at the same context length and batch
-size, or ``equals_budget``). A prefill target on a paired cell uses the median of the per-pair ratios.
+size, or ``equals_budget``, or ``max_budget_ratio``: the value at most that many times the budget's bytes). A prefill
+target on a paired cell uses the median of the per-pair ratios.
 """
 
 from __future__ import annotations
@@ -242,12 +243,16 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                     value = row.get(metric)
                     verdict.update(bound=f"<= {target['max_value']}",
                                    ok=None if value is None else value <= target["max_value"])
-                elif target.get("equals_budget"):
+                elif target.get("equals_budget") or "max_budget_ratio" in target:
                     expected = row.get("budget_kv_bytes")
                     if expected is None:  # a row measured before layer types were read: every layer is full
                         budget = Budget.parse(_number(row["budget"]))
                         expected = row["batch_size"] * budget.tokens_for(length) * row["kv_bytes_per_token"]
                     verdict.update(expected=expected, ok=row.get(metric) == expected)
+                    if "max_budget_ratio" in target and row.get(metric) is not None:  # at most the bound x budget's
+                        ratio = row[metric] / expected
+                        verdict.update(ratio=round(ratio, 3), bound=f"<= {target['max_budget_ratio']} x budget",
+                                       ok=ratio <= target["max_budget_ratio"])
                 else:
                     reference = target.get("baseline", "fullkv")  # a ratio to FullKV, or to another method (SnapKV)
                     base = next((r for r in rows if r["method"] == reference and r["context_length"] == length
