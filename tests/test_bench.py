@@ -282,3 +282,12 @@ def test_throughput_at_the_batch_and_at_the_largest_batch(tmp_path, monkeypatch)
     assert calls == [("fullkv", 1), ("snapkv", 1), ("snapkv", 3)]
     assert by_method["fullkv"]["samples_per_minute_at_max_batch"] == by_method["fullkv"]["samples_per_minute"] > 0
     assert by_method["snapkv"]["max_batch"] == 3 and by_method["snapkv"]["samples_per_minute_at_max_batch"] > 0
+
+
+def test_a_cell_in_two_grids_is_measured_once_with_both_grids_metrics(tmp_path):
+    """gemma3_hybrid times prefill at 8k in one grid and memory/decode at 4k and 8k in another: the shared 8k cells
+    must carry the second grid's metrics too, not be dropped as already seen."""
+    cfg = _cfg(tmp_path, "bench=gemma3_hybrid")
+    cells = {(c["method"], c["context_length"]): c["metrics"] for c in expand(cfg.bench)}
+    assert cells[("snapkv", 8192)] == ["prefill", "memory", "decode"]
+    assert cells[("snapkv", 4096)] == ["memory", "decode"]

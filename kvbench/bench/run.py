@@ -70,7 +70,11 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                             raise ConfigError(f"bench {bench.name!r} grid {index}: context length {length!r} and "
                                               f"batch size {batch!r} must be positive integers")
                         key = (method, budget.label(), length, batch)
-                        if key in seen:
+                        if key in seen:  # one cell, measured once: an earlier grid's cell takes this grid's metrics too
+                            cell = next(c for c in cells if (c["method"], c["budget"].label(), c["context_length"],
+                                                             c["batch_size"]) == key)
+                            cell["metrics"] = [*cell["metrics"], *(m for m in grid["metrics"]
+                                                                   if m not in cell["metrics"])]
                             continue
                         seen.add(key)
                         cells.append({"method": method, "budget": budget, "context_length": length,
@@ -263,7 +267,7 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                         ratio, fullkv = row["prefill_ratio_paired"], row["prefill_baseline_seconds"]
                         verdict.update(paired=True)
                     elif base is None or row.get(metric) is None or not base[metric]:
-                        verdict.update(ratio=None, ok=None, note="no FullKV measurement of this metric")
+                        verdict.update(ratio=None, ok=None, bound=bound_text, note="no measurement of this metric")
                         verdicts.append(verdict)
                         continue
                     else:
