@@ -231,7 +231,12 @@ def compiled_step(backend: str | None, mode: str | None):
     eviction and selection kinds, their sizes) is a graph of its own, all cached on ``static_step``'s code object: a
     process that decodes with several methods (a test session, a sweep run in one process) holds more than dynamo's
     default limit of 8, which under ``fullgraph=True`` raises instead of falling back, so the limit is raised."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7: the old name
+    setattr(config, name, max(getattr(config, name), 64))
+    # a method's float hyperparameters (D2O's beta) stay constants of their graph: torch 2.6 otherwise turns a float
+    # that differs between two compiled calls into a 0-d tensor read back with .item(), which fullgraph refuses
+    config.specialize_float = True
     options = {"backend": backend} if backend is not None else {"mode": mode}
     return torch.compile(static_step, fullgraph=True, **options)
 
