@@ -43,7 +43,7 @@ def method_config(name: str, overrides: dict[str, Any] | None) -> dict[str, Any]
 def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
     """Cells of every grid (or of the grids whose indices are in ``only``), validated without loading anything
     (unknown metric/method, bad budget, bad grid index: ConfigError)."""
-    cells, seen = [], set()
+    cells, seen = [], {}  # (method, budget, length, batch) -> its cell
     count = len(bench.grids)
     if only is not None:
         only = list(only) if isinstance(only, (list, tuple)) or OmegaConf.is_list(only) else [only]
@@ -71,19 +71,18 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                                               f"batch size {batch!r} must be positive integers")
                         key = (method, budget.label(), length, batch)
                         if key in seen:  # one cell, measured once: an earlier grid's cell takes this grid's metrics too
-                            cell = next(c for c in cells if (c["method"], c["budget"].label(), c["context_length"],
-                                                             c["batch_size"]) == key)
+                            cell = seen[key]
                             cell["metrics"] = [*cell["metrics"], *(m for m in grid["metrics"]
                                                                    if m not in cell["metrics"])]
                             continue
-                        seen.add(key)
-                        cells.append({"method": method, "budget": budget, "context_length": length,
+                        seen[key] = {"method": method, "budget": budget, "context_length": length,
                                       "batch_size": batch, "metrics": grid["metrics"],
                                       "overrides": (grid.get("method_overrides") or {}).get(method),
                                       "memory_limit_gb": grid.get("memory_limit_gb"),
                                       "paired": bool(grid.get("paired", False)) and method != "fullkv",
                                       "new_tokens": grid.get("new_tokens", bench.new_tokens),
-                                      "repeats": grid.get("repeats", bench.repeats)})
+                                      "repeats": grid.get("repeats", bench.repeats)}
+                        cells.append(seen[key])
     return cells
 
 
@@ -221,10 +220,9 @@ def budget_bytes(loaded, budget: Budget, length: int, batch: int) -> int:
     attends (``engine.architecture``, the default ``sliding_layers=auto``): a compressed layer keeps the budget's
     tokens, a sliding layer the method leaves to its window keeps at most ``window - 1`` (Gemma-3: 15 sliding layers
     at 511 beside 3 global ones at the budget); every layer full reads as ``layers x budget tokens``."""
-    from kvbench.engine.architecture import attention_modules, layer_attention, resolve_policy
+    from kvbench.engine.architecture import layer_specs, resolve_policy
 
-    config = loaded.model.config
-    specs = {i: layer_attention(getattr(m, "config", config), m) for i, m in attention_modules(loaded.model).items()}
+    specs = layer_specs(loaded.model)
     windowed = resolve_policy("auto", specs) == "window"
     tokens = budget.tokens_for(length)
     if not specs:  # attention outside the interface (an adapter's modules): every layer full

@@ -84,9 +84,14 @@ def attention_modules(model: Any) -> dict[int, Any]:
             if hasattr(module, "layer_idx") and type(module).__name__.endswith("Attention")}
 
 
+def layer_specs(model: Any) -> dict[int, LayerAttention]:
+    """How every attention layer of ``model`` attends, by layer index."""
+    return {i: layer_attention(getattr(m, "config", model.config), m) for i, m in attention_modules(model).items()}
+
+
 def describe(model: Any, policy: str) -> dict[str, Any]:
     """How ``model``'s layers attend and which ones a method compresses under ``policy``, as data for meta.json."""
-    specs = {i: layer_attention(getattr(m, "config", model.config), m) for i, m in attention_modules(model).items()}
+    specs = layer_specs(model)
     resolved = resolve_policy(policy, specs)
     return {
         "sliding_layers": policy,
