@@ -49,6 +49,7 @@ SCORERS = ["tests/test_method_scorers.py", "tests/test_parity_kvpress.py"]
 THINK = ["tests/test_parity_kvpress_think.py"]
 KVZIP = ["tests/test_parity_kvpress_kvzip.py"]
 RAGGED = ["tests/test_ragged_cache.py"]
+KERNELS = ["tests/test_prefill_kernels.py", "tests/test_fused_column_sums.py", "tests/test_method_cam.py"]
 
 
 @dataclass(frozen=True)
@@ -98,17 +99,42 @@ MUTANTS = [
            "bad = np.nonzero(kn[a : i + 1] @ kn[j] < theta)[0]",
            KVMERGER, "Algorithm 1: merge at cos >= theta instead of > theta"),
     Mutant("kvmerger-heavy-outside-recent", "kvmerger", "kvbench/methods/kvmerger.py",
-           "older = a[row, group].mean(0)[real[: length - n_rec]]",
-           "older = a[row, group].mean(0)[real]",
+           "older = a[row].view(g, h // g, n).mean(1)[:, pad : n - n_rec]",
+           "older = a[row].view(g, h // g, n).mean(1)[:, pad:]",
            KVMERGER, "heavy hitters chosen among all tokens, recent ones included"),
     Mutant("kvmerger-pivot-argmax", "kvmerger", "kvbench/methods/kvmerger_ops.py",
-           'cand = torch.where(s == per_set(s, "max")[seg]',
-           'cand = torch.where(s == per_set(s, "min")[seg]',
+           'cand = torch.where(s == per_set(s, "amax")[seg]',
+           'cand = torch.where(s == per_set(s, "amin")[seg]',
            KVMERGER, "pivot: the least attended member"),
     Mutant("kvmerger-gaussian-sign", "kvmerger", "kvbench/methods/kvmerger_ops.py",
            "g = torch.exp(-d2 / (2 * sig.clamp(min=_EPS)[seg] ** 2))",
            "g = torch.exp(d2 / (2 * sig.clamp(min=_EPS)[seg] ** 2))",
            KVMERGER, "Gaussian kernel weights growing with the distance"),
+    Mutant("kvmerger-device-theta-strict", "kvmerger", "kvbench/methods/kvmerger_ops.py",
+           "first = torch.searchsorted(floor, (-th)",
+           "first = torch.searchsorted(floor, right=True, input=(-th)",
+           KERNELS, "Algorithm 1 on the device (few_kernels): a lag at exactly theta ends no set"),
+    Mutant("kvmerger-device-bisection-break", "kvmerger", "kvbench/methods/kvmerger_ops.py",
+           "done = done | (accept & (count == rooms))",
+           "done = done | (accept & (count == rooms + 1))",
+           KERNELS, "theta bisection on the device: no early stop when the sets fill the room exactly"),
+    # ---- constant-kernel prefill passes (few_kernels; engine/scores.py, cam_ops.py) ------------------------------
+    Mutant("column-sums-lse-order", "h2o", "kvbench/engine/scores.py",
+           "bias = -lse.flip(-1) / scaling",
+           "bias = -lse / scaling",
+           KERNELS, "fused column sums: each query's log-sum-exp paired with the wrong query"),
+    Mutant("column-sums-bf16-split", "h2o", "kvbench/engine/scores.py",
+           "kt[..., d + 1] = (bias - hi.float()).to(q.dtype)",
+           "kt[..., d + 1] = 0",
+           KERNELS, "fused column sums: the bias rounded to one bfloat16"),
+    Mutant("cam-lambda-band", "cam", "kvbench/methods/cam_ops.py",
+           "band = (t >= u) & (t <= u + r)",
+           "band = (t >= u) & (t < u + r)",
+           KERNELS, "Λ attention in blocks: the oldest token of the window masked"),
+    Mutant("cam-lambda-sinks", "cam", "kvbench/methods/cam_ops.py",
+           'win.masked_fill_(~(band & (key_pos >= s)), float("-inf"))',
+           'win.masked_fill_(~band, float("-inf"))',
+           KERNELS, "Λ attention in blocks: the start tokens counted twice (as sinks and in the window)"),
     # ---- POD (kvbench/methods/pod.py, pod_attention.py) -------------------------------------------------------
     Mutant("pod-shared-distant-only", "pod", "kvbench/methods/pod.py",
            'self._shared[ctx.layer_idx] = logits.masked_fill(~dist, float("-inf"))',

@@ -14,10 +14,12 @@ from kvbench.engine.scores import attention_and_column_sums, column_sums
 from kvbench.methods import base, build_method
 
 
-def test_output_and_sums_equal_sdpa_and_column_sums():
+@pytest.mark.parametrize("few_kernels", [False, True])
+def test_output_and_sums_equal_sdpa_and_column_sums(few_kernels):
+    """Both forms: 64-query chunks (the CPU's) and two fused attention kernels (a GPU's, tests/test_prefill_kernels)."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 6, 300, 16), torch.randn(2, 3, 300, 16), torch.randn(2, 3, 300, 16)
-    out, sums = attention_and_column_sums(q, k, v, 0.25, chunk=64)
+    out, sums = attention_and_column_sums(q, k, v, 0.25, chunk=64, few_kernels=few_kernels)
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                               is_causal=True, scale=0.25)
     assert out.shape == (2, 300, 6, 16)
@@ -27,6 +29,17 @@ def test_output_and_sums_equal_sdpa_and_column_sums():
     logits = (q[0, 0] @ k[0, 0].T) * 0.25
     logits = logits.masked_fill(torch.triu(torch.ones(300, 300, dtype=torch.bool), 1), float("-inf"))
     torch.testing.assert_close(sums[0, 0], torch.softmax(logits, -1).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_kernels_carry_the_bias_in_two_bfloat16_parts():
+    """In bfloat16 the log-sum-exp bias rides in two channels (hi + lo): one would round it by up to 2^-9 of ~30, a
+    few percent of every column sum; two leave the inputs' own rounding (the sums of the same bf16 tensors in
+    float32 by the chunked pass)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 300, 16).bfloat16() for h in (6, 3, 3))
+    _, sums = attention_and_column_sums(q, k, v, 0.25, few_kernels=True)
+    reference = column_sums(q.float(), k.float(), 0.25, None)
+    torch.testing.assert_close(sums, reference, rtol=1e-3, atol=1e-3)
 
 
 def _generate(model, method_cfg, budget, ids, monkeypatch=None, fused=True):

@@ -204,6 +204,46 @@ def test_config_validation():
     assert CaM().split(128) == (64, 64) and CaM(start_share=0.25).split(10) == (3, 7)
 
 
+def _dense_lambda(q, k, v, s, r):
+    """CaM's Λ attention with the whole n x n mask, float64: outputs (B, Hq, n, D), group-mean probabilities."""
+    n = q.shape[2]
+    i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    allowed = (j <= i) & ((j < s) | (j >= i - r))
+    kq, vq = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    probs = torch.softmax((q.double() @ kq.transpose(-1, -2) / math.sqrt(D)).masked_fill(~allowed, float("-inf")), -1)
+    return probs @ vq, probs.view(1, HKV, G, n, n).mean(2)
+
+
+@pytest.mark.parametrize(("n", "s", "r", "pass_bytes"), [
+    (300, 6, 10, 1 << 30),  # windows much shorter than a block
+    (300, 40, 90, 1 << 30),  # windows longer than a block: two blocks back
+    (257, 0, 70, 1 << 30),  # no start tokens; a last block of one row
+    (300, 6, 10, 40_000),  # passes of a few blocks each
+])
+def test_lambda_blocks_equal_the_dense_mask(monkeypatch, n, s, r, pass_bytes):
+    """The blocked Λ attention (queries in blocks of 64, a window of keys per block, passes bounded in bytes) equals
+    the whole masked n x n attention: outputs, and the merge probabilities and column sums derived from it."""
+    from kvbench.methods import cam_ops
+
+    monkeypatch.setattr(cam_ops, "PASS_BYTES", pass_bytes)
+    q, k, v = _qkv(n, seed=n + r)
+    qg = q.view(1, HKV, G, n, D)
+    out = cam_ops.masked_output(qg, k, v, s, r, D**-0.5)
+    ref_out, mean = _dense_lambda(q, k, v, s, r)
+    torch.testing.assert_close(out.double(), ref_out.transpose(1, 2), rtol=0, atol=1e-5)
+    p, colsum = cam_ops.leaving_probabilities(qg, k, s, r, D**-0.5)
+    cum = mean.cumsum(2)  # [t - 1, j] = S_j(t)
+    t = torch.arange(s + r, n)
+    x = t - r
+    s_x = cum[..., t - 1, x]
+    window = torch.stack([cum[..., tt - 1, tt - r : tt].amax(-1) for tt in t.tolist()], -1)
+    start = cum[..., t - 1, :s].amax(-1) if s else torch.zeros_like(window)
+    ref_p = (s_x / torch.maximum(window, start)).clamp(0, 1)
+    torch.testing.assert_close(p.double(), ref_p, rtol=0, atol=1e-5)
+    stay = list(range(s)) + list(range(max(s, n - r), n))
+    torch.testing.assert_close(colsum[..., stay].double(), cum[..., -1, stay], rtol=0, atol=1e-5)
+
+
 def _merge_loop(values, merge, first, span):
     """CaM's merge as its code writes it: token by token, each merged value already carrying earlier merges."""
     for k in range(merge.shape[-1]):
@@ -212,14 +252,14 @@ def _merge_loop(values, merge, first, span):
         values[:, :, x + 1 : x + 1 + span] += (values[:, :, x] * m / span).unsqueeze(2)
 
 
-@pytest.mark.parametrize(("b", "h", "n", "first", "steps", "span", "block"), [
-    (1, 2, 40, 6, 28, 6, 128),  # one block
-    (2, 3, 300, 10, 200, 7, 16),  # many blocks, span not dividing the block, rows after the last target untouched
-    (1, 2, 300, 0, 299, 1, 8),  # span 1: the longest cascade
-    (1, 3, 500, 100, 200, 300, 128),  # span longer than the block size: blocks of span rows
-    (1, 1, 50, 3, 3, 100, 128),  # targets clipped at the end of the cache
+@pytest.mark.parametrize(("b", "h", "n", "first", "steps", "span", "blocks"), [
+    (1, 2, 40, 6, 28, 6, 1),  # one block
+    (2, 3, 300, 10, 200, 7, 16),  # many blocks, span not dividing the block size, rows after the last target untouched
+    (1, 2, 300, 0, 299, 1, 64),  # span 1: the longest cascade
+    (1, 3, 500, 100, 200, 300, 16),  # span longer than a block would be: blocks of span rows
+    (1, 1, 50, 3, 3, 100, 16),  # targets clipped at the end of the cache
 ])
-def test_merge_values_is_the_token_order_loop(b, h, n, first, steps, span, block):
+def test_merge_values_is_the_token_order_loop(b, h, n, first, steps, span, blocks):
     from kvbench.methods.cam_ops import merge_values
 
     g = torch.Generator().manual_seed(n + span)
@@ -227,9 +267,9 @@ def test_merge_values_is_the_token_order_loop(b, h, n, first, steps, span, block
     merge = torch.rand(b, h, steps, generator=g) < 0.7
     expect, got = v.clone(), v.clone()
     _merge_loop(expect, merge, first, span)
-    merge_values(got, merge, first, span, block)
+    merge_values(got, merge, first, span, blocks)
     assert torch.allclose(got, expect, rtol=0, atol=1e-12)
     assert not torch.equal(expect, v)
     v32 = v.float()
-    merge_values(v32, merge, first, span, block)  # float32 (and bf16 on GPUs) solve in float32
+    merge_values(v32, merge, first, span, blocks)  # float32 (and bf16 on GPUs) solve in float32
     assert torch.allclose(v32.double(), expect, atol=1e-5)

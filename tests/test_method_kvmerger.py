@@ -58,12 +58,14 @@ def test_gaussian_merge_by_hand(mode):
     w = [x / sum(g) for x in g]
     k_ref = [sum(w[i] * float(keys[1 + i, c]) for i in range(3)) for c in range(2)]
     v_ref = [sum(w[i] * float(values[1 + i, c]) for i in range(3)) for c in range(2)]
-    lo, hi = torch.tensor([0, 1, 4]), torch.tensor([0, 3, 4])
-    pivots, mk, mv = merge_sets(keys, values, score, lo, hi, sigma_mode="fixed" if mode == "average" else mode,
-                                sigma=3.0, weights="average" if mode == "average" else "gaussian")
-    assert pivots.tolist() == [0, 2, 4]
-    assert mk[1].tolist() == pytest.approx(k_ref, rel=1e-6) and mv[1].tolist() == pytest.approx(v_ref, rel=1e-6)
-    assert mk[0].tolist() == [9.0, 9.0] and mv[2].tolist() == [0.0, 0.0]  # singletons stay as they are
+    anchor = torch.tensor([0, 3, 3, 3, 4])  # the sets {0}, {1, 2, 3}, {4}, each named by its newest token
+    pivot, mk, mv = merge_sets(keys, values, score, anchor, sigma_mode="fixed" if mode == "average" else mode,
+                               sigma=3.0, weights="average" if mode == "average" else "gaussian")
+    assert pivot.nonzero().view(-1).tolist() == [0, 2, 4]
+    assert mk[2].tolist() == pytest.approx(k_ref, rel=1e-6) and mv[2].tolist() == pytest.approx(v_ref, rel=1e-6)
+    assert mk[0].tolist() == [9.0, 9.0] and mv[4].tolist() == [0.0, 0.0]  # singletons stay as they are
+    outside = merge_sets(keys, values, score, torch.tensor([0, 3, 3, 3, -1]))[0]  # token 4 in no set
+    assert outside.nonzero().view(-1).tolist() == [0, 2]
 
 
 def _smooth_keys(g, b, h, n, d):

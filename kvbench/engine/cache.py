@@ -157,6 +157,11 @@ class KVLayer(DynamicLayer):
         self._capacity = value
         self._capacity_host: list[int] | None = None
 
+    def set_capacity(self, value: torch.Tensor, host: list[int]) -> None:
+        """``capacity`` together with its values as Python ints (the session knows them: no device read)."""
+        self.capacity = value
+        self._capacity_host = list(host)
+
     def capacity_list(self) -> list[int]:
         """``capacity`` as Python ints, read from the device once per assignment: per-step eviction checks on a GPU
         would otherwise wait for the device at every layer of every step."""

@@ -132,17 +132,29 @@ def attention_and_column_sums(
     values: torch.Tensor,
     scaling: float,
     chunk: int = 64,
+    few_kernels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal prompt attention and H2O's column sums from one pass over query chunks (no padding).
+    """Causal prompt attention and H2O's column sums, without the backend's attention plus a second pass (no padding).
 
     The same probabilities ``A = softmax(q k^T * scaling)`` (causal) give the layer's attention output ``A v`` and
     ``column_sums``'s ``s[j] = sum_i A[i, j]``, so methods that need the column sums compute attention once instead of
-    the backend's attention plus a second pass (``Method.prefill_attend``). Float32 inside, memory ``O(chunk * n)`` per
-    head. Returns the output ``(B, n, Hq, D)`` in ``values.dtype`` (the backend's layout) and the sums ``(B, Hq, n)``
-    float32. Chunks of 64 queries keep a chunk's logits in cache: on SmolLM2's shapes at 4k tokens (9 query / 3 KV
-    heads, 2 CPU threads) one layer takes 137-149 ms (as a 5-d einsum: 147-156 ms) vs 80-85 ms for sdpa alone,
-    which plus a separate ``column_sums`` pass (chunk 512, 328 ms) was the alternative; chunk 128 is 10-15 % slower.
+    the backend's attention plus a second pass (``Method.prefill_attend``). Returns the output ``(B, n, Hq, D)`` in
+    ``values.dtype`` (the backend's layout) and the sums ``(B, Hq, n)`` float32. Two forms, equal up to float rounding:
+
+    * ``few_kernels=False`` (a CPU's compute-bound regime): one pass over chunks of 64 queries, float32, memory
+      ``O(chunk * n)`` per head; a chunk's logits stay in cache. On SmolLM2's shapes at 4k tokens (9 query / 3 KV
+      heads) one layer takes 137-149 ms at 2 CPU threads (as a 5-d einsum: 147-156 ms) vs 80-85 ms for sdpa alone, which
+      plus a separate ``column_sums`` pass (chunk 512, 328 ms) was the alternative; chunk 128 is 10-15 % slower. The
+      number of kernels grows with ``n / chunk``.
+    * ``few_kernels=True`` (a GPU's launch-bound regime; the session's default on CUDA): two fused attention kernels
+      whatever ``n`` (:func:`causal_column_sums`), memory ``O(n)``. At 4k on this CPU it is 0.37 s vs 0.32 s per
+      layer at 2 threads, 0.40 s vs 0.27 s at 1 thread: the chunked pass stays the CPU's.
     """
+    if few_kernels:
+        g = queries.shape[1] // keys.shape[1]
+        k, v = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)  # transient, per query head
+        out, lse = attention_with_lse(queries, k, v, scaling)
+        return out.transpose(1, 2).to(values.dtype), causal_column_sums(queries, k, lse, scaling)
     b, hq, n, d = queries.shape
     num_kv = keys.shape[1]
     g = hq // num_kv
@@ -163,6 +175,50 @@ def attention_and_column_sums(
         out[..., start:stop, :] = torch.matmul(probs.view(b, num_kv, g * c, stop), v32[:, :, :stop]).view(
             b, num_kv, g, c, d)
     return out.view(b, hq, n, d).transpose(1, 2).to(values.dtype), total.view(b, hq, n)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of ``q`` over ``k``/``v`` (all ``(B, H, n, D)``, the same heads) in one fused kernel that also
+    returns each query's log-sum-exp ``lse[i] = log sum_{j <= i} exp(scaling q_i k_j)`` ``(B, H, n)`` float32.
+
+    The kernel is PyTorch's own scaled-dot-product attention entry that returns the log-sum-exp: the CPU flash kernel,
+    CUDA's flash kernel (half precision, head dim a multiple of 8 up to 256) or its memory-efficient kernel (else).
+    """
+    n = q.shape[-2]
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scaling)
+    elif q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scaling)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True,
+                                                                          scale=scaling)[:2]
+    return out, lse[..., :n].float()  # the memory-efficient kernel pads the log-sum-exp to a multiple of 32
+
+
+def causal_column_sums(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
+    """H2O's column sums ``s[j] = sum_{i >= j} exp(scaling q_i k_j - lse[i])`` of causal attention, from the queries'
+    log-sum-exp (:func:`attention_with_lse`), as one more fused attention kernel: no n x n tensor, no loop.
+
+    ``s[j]`` is the softmax denominator of a "transposed" attention in which key j is the query and the prompt
+    queries are the keys, each biased by ``-lse[i]``: its log-sum-exp is ``log s[j]``. The bias rides in extra
+    channels (``[k_j, 1, 1] . [q_i, hi_i, lo_i]`` with ``hi_i + lo_i = -lse[i] / scaling``: two parts, so that a
+    bfloat16 kernel carries the bias to ~16 bits), and reversing both sequences turns ``i >= j`` into the kernel's
+    causal mask. q, k: ``(B, H, n, D)`` with the same heads; returns ``(B, H, n)`` float32.
+    """
+    b, h, n, d = q.shape
+    width = d + 2 if q.device.type == "cpu" else -(-(d + 2) // 8) * 8  # CUDA kernels want a multiple of 8
+    bias = -lse.flip(-1) / scaling
+    hi = bias.to(q.dtype)
+    qt = torch.zeros(b, h, n, width, dtype=q.dtype, device=q.device)
+    kt = torch.zeros(b, h, n, width, dtype=q.dtype, device=q.device)
+    qt[..., :d] = k.flip(2)
+    qt[..., d : d + 2] = 1
+    kt[..., :d] = q.flip(2)
+    kt[..., d] = hi
+    kt[..., d + 1] = (bias - hi.float()).to(q.dtype)
+    _, lse_t = attention_with_lse(qt, kt, kt, scaling)  # the values are never read: any tensor of the right shape
+    return lse_t.exp().flip(-1)
 
 
 def pool1d(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:

@@ -69,7 +69,8 @@ class CompressionSession:
     (default) is ``window``, or ``compress`` on a model whose every layer slides (Mistral v0.1)."""
 
     def __init__(self, model, method: Method, budget: Budget, position_mode: str = "original",
-                 sliding_layers: str = "auto", compile: bool | str = False, tokenizer=None):
+                 sliding_layers: str = "auto", compile: bool | str = False, tokenizer=None,
+                 few_kernels: bool | None = None):
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"position_mode={position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
         if sliding_layers not in SLIDING_POLICIES:
@@ -86,6 +87,8 @@ class CompressionSession:
         #: engine.compile: after prefill every layer becomes a fixed-capacity StaticKVLayer and each decode step runs
         #: one compiled function per layer (engine/static.py)
         self.compile = compile
+        #: PrefillContext.few_kernels: None = on CUDA (launch-bound) only; True/False forces a form (tests, benches)
+        self.few_kernels = few_kernels
         self._static_step = None
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
         self._chosen: dict[int, torch.Tensor] = {}  # a filter layer's (policy.source) choice of prompt slots (OmniKV)
@@ -98,7 +101,9 @@ class CompressionSession:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.stats = SessionStats()
         self._layers: dict[int, KVLayer | None] = {}
-        self._prompt: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None  # set at layer 0's prefill
+        #: key validity, prompt lengths, capacities (device tensors) and the lengths and capacities as Python ints;
+        #: set at layer 0's prefill
+        self._prompt: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]] | None = None
         self._hooks: list = []
         self._token = None
         self._input_ids: torch.Tensor | None = None  # needs_logits: the current forward's tokens
@@ -395,14 +400,16 @@ class CompressionSession:
             self._prefill_forward = True
             key_valid = _key_valid(attention_mask, n)
             prompt_lens = key_valid.sum(-1) if key_valid is not None else torch.full((b,), n, device=query.device)
-            capacity = torch.tensor([self.budget.tokens_for(int(x)) for x in prompt_lens], device=query.device)
-            self._prompt = (key_valid, prompt_lens, capacity)
-            self.stats = SessionStats(prompt_lens=[int(x) for x in prompt_lens])
+            lens = [int(x) for x in prompt_lens.tolist()]
+            caps = [self.budget.tokens_for(x) for x in lens]
+            capacity = torch.tensor(caps, device=query.device)
+            self._prompt = (key_valid, prompt_lens, capacity, (lens, caps))
+            self.stats = SessionStats(prompt_lens=lens)
             self._static.clear()
             self._first_step_attended = []
             self._check_budget_minimum()
             self._checked_decode = False
-        key_valid, prompt_lens, capacity = self._prompt
+        key_valid, prompt_lens, capacity, host = self._prompt
         if key_valid is not None:
             layer.set_valid(key_valid.view(b, 1, n).expand(b, layer.keys.shape[1], n).clone())
         if idx not in self._verified:
@@ -414,6 +421,7 @@ class CompressionSession:
             layer_idx=self._method_index.get(idx, idx), num_layers=len(self.compressed), num_heads=self.num_heads,
             num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
             prompt_lens=prompt_lens, capacity=capacity, rope_inv_freq=self.rope_inv_freq, plain_causal=plain,
+            few_kernels=query.device.type == "cuda" if self.few_kernels is None else self.few_kernels, host=host,
         )
         windowed = spec.sliding and n >= spec.window  # the layer's reach is shorter than the prompt
         out = self.method.prefill_attend(layer, ctx) if acts and not windowed else None  # Λ-masks (LM-Infinite, CaM)
@@ -425,7 +433,7 @@ class CompressionSession:
             if acts:  # sliding_layers=compress: the method sees the window's tokens as its prompt
                 ctx = _window_context(ctx, layer)
                 self.method.prefill_attend(layer, ctx)  # its state only: the prompt's attention is the model's
-        layer.capacity = ctx.capacity
+        layer.set_capacity(ctx.capacity, ctx.host_ints()[1])
         if acts:
             self.method.prefill(layer, ctx)
         if idx == self._last_attention_layer:
@@ -705,8 +713,11 @@ def _window_context(ctx: PrefillContext, layer: KVLayer) -> PrefillContext:
     m = layer.num_entries
     key_valid = ctx.key_valid[:, -m:] if ctx.key_valid is not None else None
     prompt_lens = torch.clamp(ctx.prompt_lens, max=m)
+    lens, caps = ctx.host_ints()
+    lens = [min(x, m) for x in lens]
     return replace(ctx, queries=ctx.queries[..., -m:, :], key_valid=key_valid, prompt_lens=prompt_lens,
-                   capacity=torch.minimum(ctx.capacity, prompt_lens), column_sums=None)
+                   capacity=torch.minimum(ctx.capacity, prompt_lens), column_sums=None,
+                   host=(lens, [min(c, x) for c, x in zip(caps, lens)]))
 
 
 def _decode_allowed(valid, bh, entries, q_len, device) -> torch.Tensor | None:

@@ -80,7 +80,7 @@ class AdaKV(ScorerWrapper):
         return self.layout == "ragged"
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+        if ctx.fits():
             return
         scores = self.scorer_scores(layer, ctx)
         kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)

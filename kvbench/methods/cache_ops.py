@@ -102,11 +102,12 @@ def _keep_top_per_row(layer: KVLayer, scores: torch.Tensor, caps: list[int], win
     keep_entries(layer, kept)
 
 
-def keep_entries(layer: KVLayer, kept: torch.Tensor) -> None:
+def keep_entries(layer: KVLayer, kept: torch.Tensor, slots: int | None = None) -> None:
     """Keep the entries ``kept`` ``(B, H, entries)`` marks (a selection made elsewhere: block-wise, chunk-wise,
-    head-wise budgets), evicting the rest. The cache becomes ``max`` kept entries long; a (row, head) keeping fewer
-    gets empty (invalid) slots, which are allocated and count in resident bytes."""
-    k = int(kept.sum(-1).max())
+    head-wise budgets), evicting the rest. The cache becomes ``slots`` entries long (default: the most any (row, head)
+    keeps, one device read; a caller that knows no head keeps more, its budget, passes it); a (row, head) keeping
+    fewer gets empty (invalid) slots, which are allocated and count in resident bytes."""
+    k = int(kept.sum(-1).max()) if slots is None else min(slots, kept.shape[-1])
     # kept entries first (stable: in stored order), then other entries as empty slots of rows keeping fewer
     index = torch.sort(kept.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :k]
     keep_valid = torch.gather(kept, -1, index)
@@ -139,7 +140,8 @@ def attend_with_column_sums(layer: KVLayer, ctx: PrefillContext) -> torch.Tensor
 
     if ctx.key_valid is not None or not ctx.plain_causal or layer.keys.shape[1] != ctx.num_kv_heads:
         return None
-    out, ctx.column_sums = attention_and_column_sums(ctx.queries, layer.keys, layer.values, ctx.scaling)
+    out, ctx.column_sums = attention_and_column_sums(ctx.queries, layer.keys, layer.values, ctx.scaling,
+                                                     few_kernels=ctx.few_kernels)
     return out
 
 

@@ -120,12 +120,12 @@ class CaM(Method):
         b, hq, n, d = ctx.queries.shape
         hkv = layer.keys.shape[1]
         qg = ctx.queries.view(b, hkv, hq // hkv, n, d)
-        cap = int(ctx.capacity[0])
+        cap = ctx.host_ints()[1][0]
         if self.variant == "paper":
             s, r = self.split(cap)
             if n <= s + r:
                 return None  # every query sees every token: plain causal attention, nothing leaves
-            p, colsum = leaving_probabilities(qg, layer.keys, s, r, ctx.scaling, self.chunk)
+            p, colsum = leaving_probabilities(qg, layer.keys, s, r, ctx.scaling)
             first, span = s, r
             layer.state["cam_acc"] = colsum
         else:
@@ -148,7 +148,7 @@ class CaM(Method):
         merge_values(merged, merge, first, span)
         layer.values = merged
         if self.variant == "paper":
-            return masked_output(qg, layer.keys, merged, s, r, ctx.scaling, self.chunk).to(merged.dtype)
+            return masked_output(qg, layer.keys, merged, s, r, ctx.scaling).to(merged.dtype)
         g = hq // hkv  # causal attention over the merged values (batch 1: no padding)
         out = F.scaled_dot_product_attention(ctx.queries, layer.keys.repeat_interleave(g, 1),
                                              merged.repeat_interleave(g, 1), is_causal=True, scale=ctx.scaling)
@@ -164,7 +164,7 @@ class CaM(Method):
             sums = column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=self.chunk)
             layer.state["cam_acc"] = aggregate_group(sums, layer.keys.shape[1], "mean")
             return
-        s, r = self.split(int(ctx.capacity[0]))
+        s, r = self.split(ctx.host_ints()[1][0])
         rank = real_rank(layer)
         keep = (rank < s) | (rank >= layer.valid_counts().unsqueeze(-1) - r)
         keep_top(layer, torch.where(keep, float("inf"), float("-inf")), ctx.capacity)

@@ -12,39 +12,65 @@ from collections.abc import Iterator
 
 import torch
 
+#: query rows per block of the Λ attention: a block attends its sinks and the ``r + BLOCK`` keys ending at its last row
+BLOCK = 64
+#: logits of one pass of the Λ attention, in bytes (float32): blocks are processed in passes of at most this size, so
+#: the number of kernels does not grow with the prompt until its logits exceed it
+PASS_BYTES = 1 << 30
 
-def lambda_chunks(qg: torch.Tensor, keys: torch.Tensor, s: int, r: int, scaling: float, chunk: int
+
+def lambda_blocks(qg: torch.Tensor, keys: torch.Tensor, s: int, r: int, scaling: float
                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """Attention of every prompt query over its first ``s`` tokens and its ``r`` previous tokens (and itself),
     CaM's lm-eval mask: ``allowed(i, j) = j <= i and (j < s or j >= i - r)``. ``s = 0, r = n`` is causal attention.
 
-    Yields ``(start, stop, key_index, probs)`` per chunk of query rows (at most ``chunk``, about one window when r is
-    smaller, so that few keys of a chunk are masked): ``key_index`` ``(T,)`` lists the start tokens then the band
-    ``[max(s, start - r), stop)``; ``probs`` ``(B, Hkv, g, stop - start, T)`` float32.
+    Queries go in blocks of ``BLOCK`` rows, all blocks of a pass in one batched product: block ``m`` (rows
+    ``[mc, mc + c)``) sees the sinks ``[0, s)`` and the window ``[mc - r, mc + c)`` of keys (an ``unfold`` of the
+    keys, no copy per block), so the work is ``O(n (s + r + c))`` and the kernels are the same for any prompt that fits
+    one pass (``PASS_BYTES`` of logits). Yields ``(m0, m1, sink, window)`` per pass of blocks ``[m0, m1)``: ``sink``
+    ``(B, Hkv, g, m1 - m0, c, s)`` and ``window`` ``(B, Hkv, g, m1 - m0, c, r + c)`` float32 probabilities, one softmax
+    over both (entry ``t`` of a window is key ``mc - r + t``; keys of the window below ``s`` are the sinks' and get 0).
+    Rows past the prompt (the last block's padding) are garbage.
     """
-    n = keys.shape[2]
-    dev = keys.device
-    rows = max(64, min(chunk, r + 1))
-    for start in range(0, n, rows):
-        stop = min(n, start + rows)
-        lo = max(s, start - r)
-        idx = torch.cat([torch.arange(min(s, stop), device=dev), torch.arange(lo, stop, device=dev)])
-        i = torch.arange(start, stop, device=dev).view(-1, 1)
-        j = idx.view(1, -1)
-        allowed = (j <= i) & ((j < s) | (j >= i - r))
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, start:stop], keys[:, :, idx]).float() * scaling
-        yield start, stop, idx, torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-
-
-def masked_output(qg, keys, values, s, r, scaling, chunk) -> torch.Tensor:
-    """The layer's prompt output ``(B, n, Hq, D)`` under the :func:`lambda_chunks` mask."""
     b, hkv, g, n, d = qg.shape
-    outs = [torch.einsum("bhgqk,bhkd->bhgqd", p.to(values.dtype), values[:, :, idx])
-            for _, _, idx, p in lambda_chunks(qg, keys, s, r, scaling, chunk)]
-    return torch.cat(outs, dim=3).reshape(b, hkv * g, n, d).transpose(1, 2).contiguous()
+    c, dev = BLOCK, keys.device
+    nb = -(-n // c)
+    qb = torch.nn.functional.pad(qg, (0, 0, 0, nb * c - n)).view(b, hkv, g, nb, c, d)
+    windows = torch.nn.functional.pad(keys, (0, 0, r, nb * c - n)).unfold(2, r + c, c)  # (B, Hkv, nb, D, r + c)
+    u = torch.arange(c, device=dev).view(-1, 1)
+    t = torch.arange(r + c, device=dev).view(1, -1)
+    band = (t >= u) & (t <= u + r)  # key mc - r + t within [i - r, i] of query i = mc + u
+    per_block = b * hkv * g * c * (s + r + c) * 4
+    step = max(1, PASS_BYTES // per_block)
+    for m0 in range(0, nb, step):
+        m1 = min(nb, m0 + step)
+        rows = torch.arange(m0 * c, m1 * c, device=dev).view(m1 - m0, c, 1)
+        win = torch.matmul(qb[:, :, :, m0:m1], windows[:, :, None, m0:m1]).float() * scaling
+        key_pos = rows[:, :1] - r + t  # (blocks, 1, r + c)
+        win.masked_fill_(~(band & (key_pos >= s)), float("-inf"))
+        sink = torch.matmul(qb[:, :, :, m0:m1], keys[:, :, None, None, :s].transpose(-1, -2)).float() * scaling
+        sink.masked_fill_(torch.arange(s, device=dev).view(1, 1, -1) > rows, float("-inf"))
+        probs = torch.softmax(torch.cat([sink, win], dim=-1), dim=-1)
+        yield m0, m1, probs[..., :s], probs[..., s:]
 
 
-def leaving_probabilities(qg, keys, s: int, r: int, scaling: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_output(qg, keys, values, s, r, scaling) -> torch.Tensor:
+    """The layer's prompt output ``(B, n, Hq, D)`` under the :func:`lambda_blocks` mask."""
+    b, hkv, g, n, d = qg.shape
+    c = BLOCK
+    nb = -(-n // c)
+    windows = torch.nn.functional.pad(values, (0, 0, r, nb * c - n)).unfold(2, r + c, c)  # (B, Hkv, nb, D, r + c)
+    outs = []
+    for m0, m1, sink, win in lambda_blocks(qg, keys, s, r, scaling):
+        out = torch.matmul(win.to(values.dtype), windows[:, :, None, m0:m1].transpose(-1, -2))
+        if s:
+            out = out + torch.matmul(sink.to(values.dtype), values[:, :, None, None, :s])
+        outs.append(out)
+    out = torch.cat(outs, dim=3).reshape(b, hkv * g, nb * c, d)[:, :, :n]
+    return out.transpose(1, 2).contiguous()
+
+
+def leaving_probabilities(qg, keys, s: int, r: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The B6 loop's merge probabilities under the Λ mask, without the loop.
 
     For every step ``t`` in ``[s + r, n)`` the token ``x = t - r`` leaves the window, and with
@@ -55,24 +81,22 @@ def leaving_probabilities(qg, keys, s: int, r: int, scaling: float, chunk: int) 
     every prompt row ``(B, Hkv, n)``, exact for the tokens that stay (the first s and the last r).
     """
     b, hkv, g, n, d = qg.shape
-    dev = keys.device
-    start_cum = torch.zeros(b, hkv, s, device=dev)
-    start_max = torch.zeros(b, hkv, n + 1, device=dev)  # [t] = max_{j<s} S_j(t)
-    band = torch.zeros(b, hkv, n, r, device=dev)  # [i, d] = A[i, i - d] for i - d >= s, d < r
+    dev, c = keys.device, BLOCK
+    nb = -(-n // c)
+    sink_rows = torch.zeros(b, hkv, nb * c, s, device=dev)  # group-mean A[i, j], j < s
+    band = torch.zeros(b, hkv, nb * c, r, device=dev)  # [i, d] = A[i, i - d] for i - d >= s, d < r
     dd = torch.arange(r, device=dev)
-    for start, stop, _idx, probs in lambda_chunks(qg, keys, s, r, scaling, chunk):
-        mean = probs.mean(2)
-        ns = min(s, stop)
-        if ns:
-            cum = mean[..., :ns].cumsum(2) + start_cum[..., :ns].unsqueeze(2)
-            start_cum[..., :ns] = cum[:, :, -1]
-            start_max[..., start + 1 : stop + 1] = cum.amax(-1)
-        lo = min(max(s, start - r), stop)  # where the band starts in idx (idx[ns]), known without reading idx
-        col = torch.arange(start, stop, device=dev).view(-1, 1) - dd.view(1, -1) - lo  # (c, r)
-        rows = mean[..., ns:]
-        if rows.shape[-1]:
-            got = torch.gather(rows, -1, col.clamp(min=0).expand(b, hkv, -1, -1))
-            band[..., start:stop, :] = got.masked_fill(col < 0, 0.0)
+    pick = (r + torch.arange(c, device=dev).view(-1, 1) - dd.view(1, -1))  # window entry of key i - d: (c, r)
+    for m0, m1, sink, win in lambda_blocks(qg, keys, s, r, scaling):
+        sink_rows[:, :, m0 * c : m1 * c] = sink.mean(2).flatten(2, 3)
+        mean = win.mean(2)  # (B, Hkv, blocks, c, r + c)
+        band[:, :, m0 * c : m1 * c] = torch.gather(mean, -1, pick.expand(*mean.shape[:-1], r)).flatten(2, 3)
+    sink_rows, band = sink_rows[:, :, :n], band[:, :, :n]
+    cum = sink_rows.cumsum(2)  # [i, j] = S_j(i + 1)
+    start_cum = cum[:, :, -1]
+    start_max = torch.zeros(b, hkv, n + 1, device=dev)  # [t] = max_{j<s} S_j(t)
+    if s:
+        start_max[..., 1:] = cum.amax(-1)
     # column view: acol[j, d] = A[j + d, j]; ccol[j, m] = Σ_{d<=m} acol[j, d] = S_j(j + m + 1)
     rows_idx = torch.arange(n, device=dev).view(-1, 1) + dd.view(1, -1)
     acol = band[..., rows_idx.clamp(max=n - 1), dd.view(1, -1).expand(n, -1)].masked_fill(rows_idx >= n, 0.0)
@@ -91,17 +115,19 @@ def leaving_probabilities(qg, keys, s: int, r: int, scaling: float, chunk: int) 
     return p, colsum
 
 
-def merge_values(values: torch.Tensor, merge: torch.Tensor, first: int, span: int, block: int = 128) -> None:
+def merge_values(values: torch.Tensor, merge: torch.Tensor, first: int, span: int, blocks: int = 16) -> None:
     """CaM's merge, in place and in token order: for the token ``x = first + k`` with ``merge[..., k]`` set,
     ``v[x + 1 : x + 1 + span] += v[x] / span`` (``v[x]`` already holds what earlier tokens merged into it).
 
     values ``(B, H, n, D)``; merge ``(B, H, steps)`` bool. Keys are never merged.
 
     The loop is the recurrence ``v'[y] = v[y] + Σ_{y - span <= x < y} m_x v'[x] / span``, a unit lower-triangular
-    banded system ``(I - A) v' = v``. It is solved by block forward substitution over blocks of ``K = max(span,
-    block)`` rows: a row depends only on its own block and the one before, so
-    ``V'_k = (I - A_kk)^{-1} (V_k + A_{k,k-1} V'_{k-1})`` with one triangular solve per block, in float32 at least (one
-    iteration per K tokens instead of one per merged token, and no read of ``merge`` by the host).
+    banded system ``(I - A) v' = v``. It is solved by block forward substitution over ``blocks`` blocks of
+    ``K = max(span, ⌈rows / blocks⌉)`` rows (zero rows past the last): a row depends only on its own block and the
+    one before, so
+    ``V'_k = (I - A_kk)^{-1} (V_k + A_{k,k-1} V'_{k-1})`` with one triangular solve per block, in float32 at least.
+    A fixed number of blocks whatever the prompt (the kernels do not grow with it; the work is ``O(n² D / blocks)``),
+    and no read of ``merge`` by the host.
     """
     b, h, n, d = values.shape
     steps = merge.shape[-1]
@@ -109,8 +135,8 @@ def merge_values(values: torch.Tensor, merge: torch.Tensor, first: int, span: in
     length = stop - first
     if steps == 0 or length <= 1:
         return
-    k = max(span, block)
-    nb = -(-length // k)
+    k = max(span, -(-length // blocks))
+    nb = blocks  # rows past the last one are zeros: a fixed number of blocks whatever the prompt
     dev, dt = values.device, torch.promote_types(values.dtype, torch.float32)
     v = torch.zeros(b, h, nb * k, d, dtype=dt, device=dev)
     v[:, :, :length] = values[:, :, first:stop]

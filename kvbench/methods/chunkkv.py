@@ -94,7 +94,7 @@ class ChunkKV(ScorerWrapper):
         self._reused: torch.Tensor | None = None  # kept positions' mask of the last scored layer
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+        if ctx.fits():
             return
         if ctx.layer_idx % self.layer_reuse and self._reused is not None and \
                 self._reused.shape[-1] == layer.num_entries:

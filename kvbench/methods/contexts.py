@@ -34,10 +34,28 @@ class PrefillContext:
     plain_causal: bool = False
     #: ``(B, Hq, n)`` column sums of the prompt attention, when ``prefill_attend`` computed them with the output
     column_sums: torch.Tensor | None = None
+    #: prefer a fixed number of large kernels to loops over cache-sized chunks (a GPU's regime, where a prefill that
+    #: launches thousands of small kernels per layer waits on the host; the session sets it on CUDA): the scoring
+    #: passes that loop over query chunks on a CPU (column sums, CaM's Λ attention, KVMerger's merging sets) take
+    #: their constant-kernel form, whose launches do not grow with the prompt (tests/test_prefill_kernels.py)
+    few_kernels: bool = False
+    #: ``(prompt_lens, capacity)`` as Python ints when the session knows them (it does: no device read per layer)
+    host: tuple[list[int], list[int]] | None = None
 
     @property
     def n(self) -> int:
         return self.queries.shape[-2]
+
+    def fits(self) -> bool:
+        """Whether every row's prompt fits its budget (nothing to compress), decided on the host."""
+        return all(x <= c for x, c in zip(*self.host_ints()))
+
+    def host_ints(self) -> tuple[list[int], list[int]]:
+        """``prompt_lens`` and ``capacity`` as Python ints, for decisions on the host: the session's copy, else one
+        read of the device tensors."""
+        if self.host is None:
+            self.host = ([int(x) for x in self.prompt_lens.tolist()], [int(x) for x in self.capacity.tolist()])
+        return self.host
 
 
 @dataclass

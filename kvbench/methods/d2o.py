@@ -221,11 +221,11 @@ class D2O(Method):
 
     def finish_prefill(self, layers: list[KVLayer], ctx: PrefillContext) -> None:
         density = torch.stack([self._density.pop(i) for i in range(len(layers))], 1)  # (B, L)
-        plans = [self._row_plan(density[row], int(n), int(c))
-                 for row, (n, c) in enumerate(zip(ctx.prompt_lens, ctx.capacity))]
+        lens, caps = ctx.host_ints()
+        plans = [self._row_plan(density[row], n, c) for row, (n, c) in enumerate(zip(lens, caps))]
         self.last_density = density.tolist()
         self.last_allocation = [[int(n) if s == NEVER else s for s, _, _ in plan]
-                                for n, plan in zip(ctx.prompt_lens, plans)]
+                                for n, plan in zip(lens, plans)]
         for idx, layer in enumerate(layers):
             device = layer.keys.device
             size, sinks, recent = (torch.tensor([plan[idx][j] for plan in plans], device=device) for j in range(3))
@@ -323,8 +323,7 @@ class D2O(Method):
         and ``e_valid=None``: one real evicted entry per (row, head), every other entry kept (``_evict_one``)."""
         official = self.variant == "official_code"
         for feat, tensors in PASSES[self.similarity_feature]:
-            m, target = nearest_kept(layer.keys if feat == "key" else layer.values, evicted, kept, kept_valid,
-                                     self.chunk)
+            m, target = nearest_kept(layer.keys if feat == "key" else layer.values, evicted, kept, kept_valid)
             tau = layer.row_state[f"d2o_tau_{feat}"]
             if official:  # one decision per evicted slot from the head-mean maximum similarity, one tau per row
                 merge, tau = official_gate(m, None if e_valid is None else e_valid[:, 0], tau, self.beta)

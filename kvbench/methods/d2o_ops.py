@@ -152,13 +152,19 @@ def official_sizes(ratios: torch.Tensor, seen: int, recent_fraction: float) -> l
 
 
 # ---- token level ---------------------------------------------------------------------------------------------------
+#: bytes of one pass of :func:`nearest_kept`'s similarities (float32): evicted entries are compared with the kept
+#: set in passes of at most this size (one pass for any prompt whose table fits: the kernels do not grow with it)
+NEAREST_PASS_BYTES = 1 << 30
+
+
 def nearest_kept(features: torch.Tensor, evicted: torch.Tensor, kept: torch.Tensor | None,
-                 kept_valid: torch.Tensor | None, chunk: int = 512):
+                 kept_valid: torch.Tensor | None):
     """Cosine similarity of each evicted entry to its most similar kept entry (A1.4 step 4.1-2).
 
     features: ``(B, H, n, D)``; evicted: ``(B, H, e)`` entry indices; kept: ``(B, H, k)`` entry indices of the
     kept set, ``kept_valid`` ``(B, H, k)`` False at empty slots. Returns ``m`` ``(B, H, e)`` (max cosine) and
-    ``target`` ``(B, H, e)`` (entry index). Memory is ``chunk x k`` per head (never n x n).
+    ``target`` ``(B, H, e)`` (entry index). Memory is ``e x k`` per head, in passes of at most
+    ``NEAREST_PASS_BYTES`` (never n x n: k is the budget).
     ``kept=None``: one evicted entry per (row, head) and every other entry kept (a decode step on an unpadded cache):
     the same result without gathering the kept set or building its mask.
     """
@@ -170,8 +176,10 @@ def nearest_kept(features: torch.Tensor, evicted: torch.Tensor, kept: torch.Tens
         return u.max(-1)
     fk = torch.gather(f, 2, kept.unsqueeze(-1).expand(*kept.shape, d))
     ms, targets = [], []
-    for start in range(0, evicted.shape[-1], chunk):
-        idx = evicted[..., start : start + chunk]
+    b, h, k = kept.shape
+    rows = max(1, NEAREST_PASS_BYTES // (4 * b * h * k))
+    for start in range(0, evicted.shape[-1], rows):
+        idx = evicted[..., start : start + rows]
         fe = torch.gather(f, 2, idx.unsqueeze(-1).expand(*idx.shape, d))
         u = torch.einsum("bhed,bhkd->bhek", fe, fk).masked_fill(~kept_valid.unsqueeze(2), float("-inf"))
         m, slot = u.max(-1)

@@ -143,7 +143,7 @@ class DynamicKV(Method):
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if ctx.layer_idx == 0:
             self._reset()
-            for n, cap in zip(ctx.prompt_lens.tolist(), ctx.capacity.tolist()):
+            for n, cap in zip(*ctx.host_ints()):
                 base = cap - self.window if n > cap else -1
                 self._rows.append((n, base, min(int(self.r_max * base), n - self.window)))
         if ctx.n <= self.window or all(base < 0 for _, base, _ in self._rows):

@@ -111,7 +111,7 @@ class ExpectedAttention(Method):
         scores = torch.full(layer.keys.shape[:3], float("-inf"), device=layer.keys.device)
         for row in range(b):  # statistics over the row's own tokens, padding excluded
             where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
-            length = int(ctx.prompt_lens[row])
+            length = ctx.host_ints()[0][row]
             if length <= self.n_sink:
                 scores[row][:, where] = float("inf")
                 continue
@@ -121,6 +121,6 @@ class ExpectedAttention(Method):
         return scores
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+        if ctx.fits():
             return
         keep_top(layer, self.prefill_scores(layer, ctx), ctx.capacity)

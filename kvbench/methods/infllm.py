@@ -236,7 +236,7 @@ class InfLLM(Method):
             raise NotAvailableError("method 'infllm' runs one sequence at a time (batch_size=1, no padding)")
         n = ctx.n
         if ctx.layer_idx == 0:
-            self._params = self.resolve(int(ctx.prompt_lens[0]))
+            self._params = self.resolve(ctx.host_ints()[0][0])
         n_init, _, n_local = self._params
         hq, d = ctx.queries.shape[1], ctx.queries.shape[-1]
         inv_freq = ctx.rope_inv_freq.to(ctx.queries.device)

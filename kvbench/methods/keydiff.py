@@ -86,7 +86,7 @@ class KeyDiff(Method):
         return scores
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+        if ctx.fits():
             return
         if self.mode == "whole_prompt":
             keep_top(layer, self._whole_prompt_scores(layer, ctx), ctx.capacity)

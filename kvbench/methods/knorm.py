@@ -43,6 +43,6 @@ class KNorm(Method):
         return knorm_scores(layer.keys, ctx.key_valid)
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+        if ctx.fits():
             return
         keep_top(layer, self.prefill_scores(layer, ctx), ctx.capacity)

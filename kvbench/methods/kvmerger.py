@@ -23,9 +23,10 @@ from kvbench.methods.base import (
     attend_with_column_sums,
     check_choice,
     check_positive,
+    keep_entries,
     prompt_column_sums,
 )
-from kvbench.methods.kvmerger_ops import merge_sets, merging_sets, presets, runs_of
+from kvbench.methods.kvmerger_ops import device_sets, merge_sets, merging_sets, presets, runs_of
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -91,8 +92,16 @@ class KVMerger(Method):
         if any(not 0 <= r < 1 for r in ratios) or sum(ratios) >= 1:
             raise ConfigError(f"method 'kvmerger': recent_ratio={self.recent_ratio}, heavy_ratio={self.heavy_ratio}"
                               " must be fractions in [0, 1) with a sum below 1")
-        self.last_ratios: list[float] = []
-        self.last_thetas: list[float] = []
+        self._ratios: list[torch.Tensor | float] = []  # per layer of the last forward, read when asked
+        self._thetas: list[torch.Tensor | float] = []
+
+    @property
+    def last_ratios(self) -> list[float]:
+        return [float(x) for x in self._ratios]
+
+    @property
+    def last_thetas(self) -> list[float]:
+        return [float(x) for x in self._thetas]
 
     def validate(self, budget: Budget) -> None:
         super().validate(budget)
@@ -104,10 +113,9 @@ class KVMerger(Method):
     def sample_stats(self, row: int) -> dict:
         """``layer_ratio`` / ``layer_theta``: kept fraction of the prompt and theta per layer (the paper's Fig. 3b/9),
         means over the batch's rows and heads."""
-        if not self.last_ratios:
+        if not self._ratios:
             return {}
-        return {"layer_ratio": [float(x) for x in self.last_ratios],
-                "layer_theta": [float(x) for x in self.last_thetas]}
+        return {"layer_ratio": self.last_ratios, "layer_theta": self.last_thetas}
 
     def min_budget_tokens(self) -> int:
         return 2
@@ -139,8 +147,9 @@ class KVMerger(Method):
             n_hh = min(n_hh, max(0, (capacity - 1 - n_rec) // 2))
         return n_rec, n_hh
 
-    def _partition(self, kn, runs, protected, capacity, enforce):
-        """Sets (and theta) for one head or head group: fixed theta, or bisection so protected + #sets <= capacity."""
+    def _partition(self, kn, runs, room, enforce):
+        """Sets (and theta) for one head or head group: fixed theta, or bisection so that #sets <= room (the budget
+        less the protected tokens)."""
         def sets_at(theta, limit=None):
             out = []
             for start, stop in runs:
@@ -149,7 +158,6 @@ class KVMerger(Method):
                     break
             return out
 
-        room = capacity - protected
         if not enforce:
             return sets_at(self.theta), self.theta
         if room >= sum(stop - start for start, stop in runs):  # the prompt fits: nothing to merge
@@ -168,64 +176,72 @@ class KVMerger(Method):
         return best, lo
 
     def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
-        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+        if ctx.fits():
             return None  # nothing to merge: no column sums needed
         return attend_with_column_sums(layer, ctx)  # the prompt's attention and its column sums in one pass
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if ctx.layer_idx == 0:
-            self.last_ratios, self.last_thetas = [], []
-        if bool((ctx.prompt_lens <= ctx.capacity).all()):
-            self.last_ratios.append(1.0)
+            self._ratios, self._thetas = [], []
+        lens, caps = ctx.host_ints()
+        if ctx.fits():
+            self._ratios.append(1.0)
             return
         b, h, n, _ = layer.keys.shape
         a = aggregate_group(prompt_column_sums(layer, ctx, self.chunk), ctx.num_kv_heads, self.group_agg)  # (B, H, n)
         enforce = self.enforcing()
-        kn_all = F.normalize(layer.keys.float(), dim=-1).double().cpu().numpy()
-        protect_of, sets_of, ratios, thetas = {}, {}, [], []
-        groups = [list(range(h))] if self.shared_sets else [[x] for x in range(h)]
-        for row in range(b):
-            real = torch.arange(n, device=a.device)
-            if ctx.key_valid is not None:
-                real = real[ctx.key_valid[row]]
-            length, cap = real.numel(), int(ctx.capacity[row])
+        g = 1 if self.shared_sets else h  # partitions per row (head groups), each of h // g heads
+        # R and Hh per (row, group): the recent tokens and the top of the group-mean a among the older real tokens
+        protect = torch.zeros(b, g, n, dtype=torch.bool, device=a.device)
+        rooms = []
+        for row, (length, cap) in enumerate(zip(lens, caps)):
             n_rec, n_hh = self.protected_sizes(length, cap)
-            for group in groups:
-                older = a[row, group].mean(0)[real[: length - n_rec]]
-                heavy = real[torch.topk(older, n_hh).indices] if n_hh else real[:0]
-                protect = torch.cat([heavy, real[length - n_rec :]])
-                mergeable = np.setdiff1d(real.cpu().numpy(), protect.cpu().numpy())
-                kn = kn_all[row, group].transpose(1, 0, 2).reshape(n, -1) / math.sqrt(len(group))
-                sets, theta = self._partition(kn, runs_of(mergeable), protect.numel(), cap, enforce)
-                thetas.append(theta)
-                for head in group:
-                    protect_of[row, head], sets_of[row, head] = protect, sets[::-1]
-        # Algorithm 2 for every set of the layer at once, on the flattened (B * H * n, D) cache
-        flat = [(lo + (row * h + head) * n, hi + (row * h + head) * n)
-                for (row, head), sets in sets_of.items() for lo, hi in sets]
-        keys, values = layer.keys.clone().reshape(b * h * n, -1), layer.values.clone().reshape(b * h * n, -1)
-        pivots = torch.zeros(0, dtype=torch.long, device=a.device)
-        if flat:
-            lo_hi = torch.tensor(flat, dtype=torch.long, device=a.device)
-            score = a.reshape(-1)
-            if self.pivot == "random":  # Table 3's ablation, seeded per layer
-                gen = torch.Generator().manual_seed(self.seed * 100_003 + ctx.layer_idx)
-                score = torch.rand(b * h * n, generator=gen)
-            pivots, mk, mv = merge_sets(keys, values, score.to(a.device), lo_hi[:, 0], lo_hi[:, 1], self.sigma_mode,
-                                        self.sigma, self.merge_weights)
-            keys[pivots], values[pivots] = mk.to(keys.dtype), mv.to(values.dtype)
-        kept = {}
-        for (row, head), part in zip(sets_of, pivots.split([len(x) for x in sets_of.values()])):
-            kept[row, head] = torch.cat([protect_of[row, head], part - (row * h + head) * n]).sort().values
-            ratios.append(kept[row, head].numel() / int(ctx.prompt_lens[row]))
-        slots = max(max(x.numel() for x in kept.values()), int(ctx.capacity.max()) if enforce else 0)
-        index = torch.zeros(b, h, slots, dtype=torch.long, device=a.device)
-        keep_valid = torch.zeros(b, h, slots, dtype=torch.bool, device=a.device)
-        for (row, head), idx in kept.items():
-            index[row, head, : idx.numel()] = idx
-            index[row, head, idx.numel() :] = idx[-1]
-            keep_valid[row, head, : idx.numel()] = True
-        layer.keys, layer.values = keys.view(b, h, n, -1), values.view(b, h, n, -1)
-        layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
-        self.last_ratios.append(float(np.mean(ratios)))
-        self.last_thetas.append(float(np.mean(thetas)))
+            pad = n - length  # left padding
+            if n_hh:
+                older = a[row].view(g, h // g, n).mean(1)[:, pad : n - n_rec]
+                protect[row].scatter_(-1, torch.topk(older, n_hh, dim=-1).indices + pad, True)
+            protect[row, :, n - n_rec :] = True
+            rooms += [cap - n_rec - n_hh] * g
+        mergeable = ~protect
+        if ctx.key_valid is not None:
+            mergeable &= ctx.key_valid.view(b, 1, n)
+        kn = F.normalize(layer.keys.float(), dim=-1).double()  # (B, H, n, D)
+        if self.shared_sets:  # one partition per row: cosine of the heads' concatenated unit keys = mean cosine
+            kn = kn.transpose(1, 2).reshape(b, 1, n, -1) / math.sqrt(h)
+        anchors, thetas = self._sets(kn.view(b * g, n, -1), mergeable.view(b * g, n), rooms, enforce, ctx.few_kernels)
+        # each mergeable token's set, named by its anchor (the nearest anchor at or after it: its run ends at one),
+        # for every head of its group, on the flattened (B * H * n, D) cache
+        pos = torch.arange(n, device=a.device)
+        anchor = torch.where(anchors, pos, n).flip(-1).cummin(-1).values.flip(-1).view(b, g, 1, n)
+        heads = torch.arange(h, device=a.device).view(1, g, h // g, 1) + torch.arange(b, device=a.device).view(
+            b, 1, 1, 1) * h
+        anchor = torch.where(mergeable.view(b, g, 1, n), anchor + heads * n, -1).reshape(-1)
+        score = a.reshape(-1)
+        if self.pivot == "random":  # Table 3's ablation, seeded per layer
+            gen = torch.Generator().manual_seed(self.seed * 100_003 + ctx.layer_idx)
+            score = torch.rand(b * h * n, generator=gen).to(a.device)
+        keys, values = layer.keys.reshape(b * h * n, -1), layer.values.reshape(b * h * n, -1)
+        pivot, mk, mv = merge_sets(keys, values, score, anchor, self.sigma_mode, self.sigma, self.merge_weights)
+        layer.keys = torch.where(pivot[:, None], mk.to(keys.dtype), keys).view(b, h, n, -1)
+        layer.values = torch.where(pivot[:, None], mv.to(values.dtype), values).view(b, h, n, -1)
+        kept = protect.repeat_interleave(h // g, dim=1) | pivot.view(b, h, n)
+        keep_entries(layer, kept, slots=max(caps) if enforce else None)  # enforce: at most the budget by construction
+        lens_t = torch.tensor(lens, dtype=torch.float64, device=a.device).view(b, 1)
+        self._ratios.append((kept.sum(-1) / lens_t).mean())  # tensors: read once per sample (sample_stats)
+        self._thetas.append(thetas.mean())
+
+    def _sets(self, kn, mergeable, rooms, enforce, few_kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """Algorithm 1 on every partition ``(P, n)``: each set's anchor (newest token) ``(P, n)`` bool and each
+        partition's theta. ``few_kernels``: on the device (``device_sets``, no host read, a fixed number of kernels);
+        else on the host, a galloping scan from each anchor (``merging_sets``; on a CPU, where the host is the device,
+        it touches ``O(n)`` similarities instead of ``device_sets``'s ``O(n^2)``). Both give the same sets."""
+        if few_kernels:
+            return device_sets(kn, mergeable, self.theta, rooms if enforce else None)
+        kn_np, merge_np = kn.cpu().numpy(), mergeable.cpu().numpy()
+        anchors = np.zeros(merge_np.shape, dtype=bool)
+        thetas = []
+        for p, room in enumerate(rooms):
+            sets, theta = self._partition(kn_np[p], runs_of(np.nonzero(merge_np[p])[0]), room, enforce)
+            anchors[p, [hi for _, hi in sets]] = True
+            thetas.append(theta)
+        return torch.from_numpy(anchors).to(kn.device), torch.tensor(thetas, dtype=torch.float64)

@@ -55,32 +55,119 @@ def merging_sets(kn: np.ndarray, start: int, stop: int, theta: float, limit: int
     return sets
 
 
-def merge_sets(keys, values, score, lo, hi, sigma_mode="mean_l2", sigma=1.0, weights="gaussian"):
-    """Algorithm 2 / eqs. 5-8 for the sets ``[lo_s, hi_s]`` of one head. keys/values ``(n, D)``, ``score`` ``(n,)``
-    picks the pivot (argmax, first on ties). Returns pivots ``(S,)`` and merged keys and values ``(S, D)`` float32:
-    ``w_i = g_i / sum_j g_j`` with ``g_i = exp(-|k_p - k_i|^2 / (2 sigma^2))`` (so ``g_p = 1``)."""
-    sizes = hi - lo + 1
-    seg = torch.repeat_interleave(torch.arange(len(lo), device=lo.device), sizes)
-    idx = lo[seg] + torch.arange(seg.numel(), device=lo.device) - (torch.cumsum(sizes, 0) - sizes)[seg]
+def merge_sets(keys, values, score, anchor, sigma_mode="mean_l2", sigma=1.0, weights="gaussian"):
+    """Algorithm 2 / eqs. 5-8 for every set at once, in fixed shapes (no host read). keys/values ``(N, D)``;
+    ``score`` ``(N,)`` picks each set's pivot (argmax, first on ties); ``anchor`` ``(N,)`` long: for each token of a
+    set the index of the set's anchor (any index that names the set, one per set), ``-1`` for tokens in no set.
 
-    def per_set(x, how="sum"):  # sets are contiguous in idx: segment reductions (index_add_ is slow on CPU)
-        return torch.segment_reduce(x, how, lengths=sizes, axis=0)
+    Returns ``pivot`` ``(N,)`` bool (the token that stores its set) and the merged keys and values ``(N, D)``
+    float32, meaningful at the pivots: ``w_i = g_i / sum_j g_j`` over the set with
+    ``g_i = exp(-|k_p - k_i|^2 / (2 sigma^2))`` (so ``g_p = 1``); a singleton stays as it is."""
+    n = keys.shape[0]
+    seg = torch.where(anchor >= 0, anchor, n)  # bucket n collects the tokens outside every set
+    idx = torch.arange(n, device=keys.device)
 
-    s = score[idx].float()
-    cand = torch.where(s == per_set(s, "max")[seg], idx, torch.full_like(idx, keys.shape[0]))
-    pivot = per_set(cand.double(), "min").long()  # first maximum on ties
-    k, v = keys[idx].float(), values[idx].float()
-    d2 = (k - keys[pivot].float()[seg]).pow(2).sum(-1)
+    def per_set(x, how="sum"):  # reduce over each set's tokens into its bucket: (n + 1, ...)
+        out = torch.zeros(n + 1, *x.shape[1:], dtype=x.dtype, device=x.device)
+        if how == "sum":
+            return out.index_add_(0, seg, x)
+        return out.scatter_reduce_(0, seg, x, how, include_self=False)
+
+    s = score.float()
+    cand = torch.where(s == per_set(s, "amax")[seg], idx, n)
+    pivot_of = per_set(cand, "amin")  # first maximum on ties
+    k, v = keys.float(), values.float()
+    d2 = (k - k[pivot_of[seg].clamp(max=n - 1)]).pow(2).sum(-1)
+    sizes = per_set(torch.ones_like(d2))
     if weights == "average":
         g = torch.ones_like(d2)
     else:
         if sigma_mode == "fixed":
-            sig = torch.full((len(lo),), float(sigma), device=d2.device)
+            sig = torch.full_like(sizes, float(sigma))
         elif sigma_mode == "eq7":  # literal eq. 7: sum of squared distances / (sqrt(2) |S|)
             sig = per_set(d2) / (math.sqrt(2) * sizes)
         else:  # Sec 6.3: mean l2 distance from the pivot to the other members
             sig = per_set(d2.sqrt()) / (sizes - 1).clamp(min=1)
         g = torch.exp(-d2 / (2 * sig.clamp(min=_EPS)[seg] ** 2))
     w = (g / per_set(g)[seg])[:, None]
-    merged_k, merged_v = per_set(w * k), per_set(w * v)
-    return pivot, merged_k, merged_v
+    merged_k, merged_v = per_set(w * k)[seg], per_set(w * v)[seg]
+    return (anchor >= 0) & (pivot_of[seg] == idx), merged_k, merged_v
+
+
+#: bytes of one pass of :func:`device_sets` (its n x 2n similarity table, the lag view's copy and its running minima,
+#: float64): sequences are taken in passes of at most this size, so the kernels do not grow with the prompt until one
+#: sequence's tables exceed it (about 48 n^2 bytes at their peak: 9k tokens per sequence in one 4 GiB pass)
+SETS_PASS_BYTES = 4 << 30
+
+
+def device_sets(kn: torch.Tensor, mergeable: torch.Tensor, theta: float, rooms: list[int] | None = None,
+                iters: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 1 for P sequences at once, on their device, with no host read: the sets :func:`merging_sets` emits on
+    every run of mergeable tokens, and for ``rooms`` the theta bisection of ``KVMerger._partition`` (budget_mode
+    ``enforce``), step for step.
+
+    kn ``(P, n, D)`` float64 unit keys; mergeable ``(P, n)`` bool (runs are its maximal stretches of True); theta: the
+    fixed threshold (``rooms`` None) or unused; rooms: the sets each sequence may hold (host ints). Returns
+    ``anchors`` ``(P, n)`` bool, each set's newest token (a set is its anchor and the mergeable tokens down to the next
+    anchor of its run), and the theta of each sequence ``(P,)`` float64 (1.0 when its prompt fits without merging, as
+    the host code reports).
+
+    How: ``nxt_theta(j)``, the newest token before j in its run with ``cos(k_i, k_j) <= theta``, ends the set anchored
+    at j and is the next anchor. From the similarities in lag order, ``T[j, d] = cos(k_j, k_{j-d})`` (+inf past the
+    run), their running minimum over d is non-increasing, so for any theta the first lag at or below it is one
+    ``searchsorted``: the ``O(n^2)`` table is built once and every bisection step costs ``O(n log n)``. The anchors are
+    the chains ``j -> nxt(j)`` from each run's newest token, marked by pointer doubling in a fixed number of rounds (a
+    chain longer than the room is only counted as too long). ``O(n^2)`` float64 memory per sequence, in passes of
+    ``SETS_PASS_BYTES``.
+    """
+    p, n, _ = kn.shape
+    step = max(1, SETS_PASS_BYTES // max(1, 48 * n * n))
+    if p > step:
+        parts = [device_sets(kn[i : i + step], mergeable[i : i + step], theta,
+                             None if rooms is None else rooms[i : i + step], iters) for i in range(0, p, step)]
+        return tuple(torch.cat(x) for x in zip(*parts))
+    dev = kn.device
+    pos = torch.arange(n, device=dev)
+    before = torch.nn.functional.pad(mergeable[:, :-1], (1, 0))
+    after = torch.nn.functional.pad(mergeable[:, 1:], (0, 1))
+    run_start = torch.where(mergeable & ~before, pos, -1).cummax(-1).values
+    roots = mergeable & ~after  # each run's newest token
+    # lag table: row j of [S reversed | +inf] read with stride 2n - 1 gives cos(k_j, k_{j-d}) at column d - 1
+    table = torch.full((p, n, 2 * n), math.inf, dtype=kn.dtype, device=dev)
+    table[..., :n] = kn @ kn.flip(1).transpose(-1, -2)
+    lags = table.as_strided((p, n, n - 1), (2 * n * n, 2 * n - 1, 1), table.storage_offset() + n)
+    lag = torch.arange(1, n, device=dev)
+    outside = lag.view(1, 1, -1) > (pos - run_start).unsqueeze(-1)  # k_{j-d} before j's run
+    floor = -lags.masked_fill(outside, math.inf).cummin(-1).values  # non-decreasing in d
+    del table, lags, outside
+
+    def anchors_at(th: torch.Tensor, rounds: int) -> torch.Tensor:
+        first = torch.searchsorted(floor, (-th).view(p, 1, 1).expand(p, n, 1).contiguous()).squeeze(-1)
+        nxt = pos - first - 1  # the newest token at or below theta, or before the run
+        parent = torch.where(mergeable & (nxt >= run_start), nxt, n)
+        jump = torch.cat([parent, torch.full((p, 1), n, device=dev)], -1)  # the sentinel n points to itself
+        jumps = [jump]
+        for _ in range(rounds - 1):
+            jumps.append(torch.gather(jumps[-1], -1, jumps[-1]))
+        marked = torch.nn.functional.pad(roots, (0, 1)).long()
+        for jump in reversed(jumps):  # nodes at distance t < 2^rounds from a root, bit by bit
+            marked = marked | (torch.zeros_like(marked).scatter_add_(-1, jump, marked) > 0)
+        return marked[:, :n].bool()
+
+    if rooms is None:
+        th = torch.full((p,), float(theta), dtype=torch.float64, device=dev)
+        return anchors_at(th, max(1, n.bit_length())), th
+    rounds = (max(rooms) + 1).bit_length()
+    rooms = torch.tensor(rooms, device=dev)
+    fits = rooms >= mergeable.sum(-1)
+    low = torch.full((p,), -2.0, dtype=torch.float64, device=dev)
+    high = torch.ones(p, dtype=torch.float64, device=dev)
+    done = fits.clone()
+    for _ in range(iters):
+        mid = (low + high) / 2
+        count = anchors_at(mid, rounds).sum(-1)
+        accept = ~done & (count <= rooms)
+        high = torch.where(~done & ~accept, mid, high)
+        low = torch.where(accept, mid, low)
+        done = done | (accept & (count == rooms))
+    return anchors_at(torch.where(fits, math.inf, low), rounds), torch.where(fits, 1.0, low)

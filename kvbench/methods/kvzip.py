@@ -93,7 +93,7 @@ class KVzip(Method):
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if ctx.key_valid is not None or ctx.queries.shape[0] != 1:
             raise NotAvailableError("method 'kvzip' scores one prompt at a time (batch_size=1)")
-        self._capacity = int(ctx.capacity[0])
+        self._capacity = ctx.host_ints()[1][0]
         self._scores[ctx.layer_idx] = torch.zeros(layer.keys.shape[:3], dtype=torch.float32, device=layer.keys.device)
 
     def reconstruction_chunks(self, prompt_ids: list[int], tokenizer) -> list[tuple[int, int, list[int]]]:

@@ -175,7 +175,7 @@ class PyramidInfer(Method):
         if layer.valid is not None or ctx.queries.shape[0] != 1:
             raise NotAvailableError("method 'pyramidinfer' runs one sequence at a time (batch_size=1, no padding)")
         if ctx.layer_idx == 0:
-            n, budget = ctx.n, int(ctx.capacity[0])
+            n, budget = ctx.n, ctx.host_ints()[1][0]
             if self.allocation == "paper":
                 self._plan = paper_contexts(n, ctx.num_layers, self.recent_ratio, self.decay_ratio,
                                             self.decay_strategy, self.min_context)

@@ -98,7 +98,7 @@ class PyramidKV(SnapKV):
                 + pyramid_capacity(int(c), int(n), self.window, self.beta, ctx.num_layers, self.schedule)[
                     ctx.layer_idx
                 ]
-                for c, n in zip(ctx.capacity, ctx.prompt_lens)
+                for n, c in zip(*ctx.host_ints())
             ],
             device=ctx.capacity.device,
         )

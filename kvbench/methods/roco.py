@@ -114,7 +114,7 @@ class RoCo(Method):
         return probs.mean(2), probs
 
     def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
-        cap, n = int(ctx.capacity[0]), ctx.n
+        cap, n = ctx.host_ints()[1][0], ctx.n
         if n <= cap:
             return None
         b, hq, _, d = ctx.queries.shape
@@ -156,9 +156,10 @@ class RoCo(Method):
             st_c[..., cap:, 2] -= torch.arange(k, device=dev)  # chunk token u is seen by the k - u queries after it
             victims = roco_victims(st_c[..., 0], st_c[..., 1], st_c[..., 2], k, self._pool(cap, k, True),
                                    self.exclude_last, sinks)
-            keep = torch.ones(st_c.shape[:3], dtype=torch.bool, device=dev).scatter_(-1, victims, False)
-            kv_c = kv_c[keep].view(b, hkv, cap, -1)
-            st_c = st_c[keep].view(b, hkv, cap, -1)
+            keep = torch.ones(st_c.shape[:3], dtype=torch.uint8, device=dev).scatter_(-1, victims, 0)
+            kept = torch.sort(keep, dim=-1, descending=True, stable=True).indices[..., :cap, None]  # in order
+            kv_c = torch.gather(kv_c, 2, kept.expand(-1, -1, -1, kv_c.shape[-1]))  # no boolean index: no host read
+            st_c = torch.gather(st_c, 2, kept.expand(-1, -1, -1, st_c.shape[-1]))
         kept = st_c[..., 3].long()
         for i, s in enumerate(stats):
             s.scatter_(-1, kept, st_c[..., i])

@@ -109,7 +109,7 @@ class SnapKV(Method):
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         to_query_heads(layer, ctx, self.granularity)
-        if ctx.n <= self.window or bool((ctx.prompt_lens <= ctx.capacity).all()):
+        if ctx.n <= self.window or ctx.fits():
             return
         scores = self.prefill_scores(layer, ctx)
         keep_top(layer, scores, self.layer_capacity(ctx), window=self.window)

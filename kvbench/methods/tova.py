@@ -63,7 +63,7 @@ class TOVA(Method):
         return scores
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if bool((ctx.prompt_lens <= ctx.capacity).all()):
+        if ctx.fits():
             return
         keep_top(layer, self.prefill_scores(layer, ctx), ctx.capacity)
 

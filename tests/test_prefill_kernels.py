@@ -1,0 +1,197 @@
+"""Issue #21 on GPUs: no method's prefill is host-bound. Counted on the CPU through torch's dispatcher, as
+tests/test_host_sync.py counts decode steps.
+
+A GPU prefill that launches thousands of small kernels per layer (KVMerger's and CaM's chunk loops, 22-34x FullKV's
+prefill on an H100) waits on the host. With ``few_kernels`` (what the session sets on CUDA) the scoring passes take a
+form whose kernels do not grow with the prompt: the column sums as two fused attention kernels, CaM's Λ attention in
+one batched pass of blocks and its merge in a fixed number of blocks, KVMerger's merging sets by a similarity staircase
+and pointer doubling on the device, D2O's nearest kept entries in one pass. And the scoring paths read nothing back to
+the host (``.item()``, ``bool(t)``, ``nonzero``, boolean indexing): a read serialises the GPU's queue.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_host_sync import CountOps, is_host_read, is_kernel
+
+from helpers import kept_positions, make_layer, prefill_ctx
+from kvbench.budget import Budget
+from kvbench.engine import CompressionSession
+from kvbench.engine.scores import attention_and_column_sums, window_attention
+from kvbench.methods import METHODS, build_method, cam_ops
+from kvbench.methods.base import scorer_names
+from kvbench.methods.kvmerger import KVMerger
+from kvbench.methods.kvmerger_ops import device_sets, merge_sets, runs_of
+
+
+def _prefill_counts(model, name, n, budget=128) -> tuple[int, int]:
+    """Kernels and host reads of one prompt's forward (prefill) with the method acting, its constant-kernel form."""
+    ids = torch.randint(3, 250, (1, n), generator=torch.Generator().manual_seed(n))
+    b = Budget.parse(budget)
+    with CompressionSession(model, build_method({"name": name}, b), b, few_kernels=True):
+        with CountOps(is_kernel) as kernels, CountOps(is_host_read) as reads:
+            model(ids, use_cache=True)
+    return kernels.count, reads.count
+
+
+@pytest.mark.parametrize("method", ["kvmerger", "cam", "h2o", "d2o"])
+def test_prefill_kernels_do_not_grow_with_the_prompt(toy_llama, method):
+    """The same kernels at 1k and 4k tokens (budget 128), and as many host reads: the scoring passes are one batched
+    pass whatever the prompt (their byte limits, ``PASS_BYTES`` & co., are far above a 4k prompt's)."""
+    short, long = (_prefill_counts(toy_llama, method, n) for n in (1024, 4096))
+    assert short == long, (short, long)
+
+
+def test_the_cpu_form_loops_over_chunks(toy_llama):
+    """The control: the CPU's chunked column sums (few_kernels off) launch more kernels for a longer prompt, which is
+    what the counts above would show if a method fell back to them."""
+    counts = []
+    for n in (1024, 2048):
+        ids = torch.randint(3, 250, (1, n), generator=torch.Generator().manual_seed(n))
+        b = Budget.parse(128)
+        with CompressionSession(toy_llama, build_method({"name": "h2o"}, b), b, few_kernels=False):
+            with CountOps(is_kernel) as kernels:
+                toy_llama(ids, use_cache=True)
+        counts.append(kernels.count)
+    assert counts[1] > counts[0]
+
+
+def _reads(fn) -> int:
+    tolist = []
+    real = torch.Tensor.tolist
+    torch.Tensor.tolist = lambda self: tolist.append(1) or real(self)
+    try:
+        with CountOps(is_host_read) as mode:
+            fn()
+    finally:
+        torch.Tensor.tolist = real
+    return mode.count + len(tolist)
+
+
+def _qkv(n=300, hq=4, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, hq, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g),
+            torch.randn(1, hkv, n, d, generator=g))
+
+
+def test_the_scoring_kernels_read_nothing_back():
+    q, k, v = _qkv()
+    qg = q.view(1, 2, 2, 300, 16)
+    kn = F.normalize(torch.randn(3, 200, 8, dtype=torch.float64), dim=-1)
+    mergeable = torch.rand(3, 200, generator=torch.Generator().manual_seed(1)) < 0.9
+    anchor = torch.randint(-1, 300, (300,))
+    passes = {
+        "column sums (two fused kernels)": lambda: attention_and_column_sums(q, k, v, 0.25, few_kernels=True),
+        "SnapKV window attention": lambda: window_attention(q, k, 8, 0.25),
+        "CaM merge probabilities": lambda: cam_ops.leaving_probabilities(qg, k, 6, 10, 0.25),
+        "CaM Λ output": lambda: cam_ops.masked_output(qg, k, v, 6, 10, 0.25),
+        "CaM merge": lambda: cam_ops.merge_values(v.clone(), torch.rand(1, 2, 200) < 0.5, 6, 10),
+        "KVMerger sets, fixed theta": lambda: device_sets(kn, mergeable, 0.75),
+        "KVMerger sets, theta bisection": lambda: device_sets(kn, mergeable, 0.75, [20, 3, 50]),
+        "KVMerger merge": lambda: merge_sets(k.view(-1, 16)[:300], v.view(-1, 16)[:300], torch.rand(300), anchor),
+    }
+    for name, fn in passes.items():
+        assert _reads(fn) == 0, name
+
+
+@pytest.mark.parametrize("name", sorted(scorer_names()))
+def test_no_scorer_reads_the_device(name):
+    """Every method's per-entry prefill scores (the interface AdaKV and ChunkKV select through) take no host read."""
+    q, k, v = _qkv(n=64)
+    layer = make_layer(k, v)
+    ctx = prefill_ctx(q, layer, 16)
+    ctx.rope_inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    ctx.few_kernels = True
+    ctx.host_ints()  # what the session hands over
+    fields = {"window": 8} if name in ("snapkv", "pyramidkv") else {"mode": "whole_prompt"} if name == "keydiff" else {}
+    method = METHODS.build(name, fields)
+    method.validate(Budget.parse(16))
+    assert _reads(lambda: method.prefill_scores(layer, ctx)) == 0
+
+
+# ---- KVMerger: the device's sets are the host scan's ---------------------------------------------------------------
+def _smooth(g, n, d):
+    """Keys that drift slowly with jumps: runs of similar keys at theta 0.75, sets of many lengths."""
+    steps = torch.randn(n, d, generator=g) * 0.35
+    jumps = (torch.rand(n, 1, generator=g) < 0.12).float() * torch.randn(n, d, generator=g) * 3
+    return torch.cumsum(steps + jumps, 0)
+
+
+@pytest.mark.parametrize("enforce", [False, True])
+def test_device_sets_are_the_host_scans(enforce):
+    """``device_sets`` = ``merging_sets`` on every run (fixed theta) and = ``KVMerger._partition``'s bisection, step
+    for step (the same theta), on 40 random partitions of random lengths and rooms."""
+    g = torch.Generator().manual_seed(7 + enforce)
+    method = KVMerger()
+    method.validate(Budget.parse(64 if enforce else 0.5))
+    for _ in range(10):
+        n = int(torch.randint(5, 160, (1,), generator=g))
+        kn = F.normalize(torch.stack([_smooth(g, n, 8) for _ in range(4)]).double(), dim=-1)
+        mergeable = torch.rand(4, n, generator=g) < 0.85
+        rooms = [int(torch.randint(1, max(2, n // 3), (1,), generator=g)) for _ in range(4)]
+        anchors, thetas = device_sets(kn, mergeable, 0.75, rooms if enforce else None)
+        for p in range(4):
+            runs = runs_of(np.nonzero(mergeable[p].numpy())[0])
+            sets, theta = method._partition(kn[p].numpy(), runs, rooms[p], enforce)
+            assert anchors[p].nonzero().view(-1).tolist() == sorted(hi for _, hi in sets)
+            assert float(thetas[p]) == theta
+
+
+def test_device_sets_in_passes_and_at_theta_exactly(monkeypatch):
+    """Passes of a few sequences give the same sets; a pair at exactly theta does not merge (strict >), as on the
+    host (tests/test_method_kvmerger.py::test_a_pair_exactly_at_theta_does_not_merge)."""
+    from kvbench.methods import kvmerger_ops
+
+    keys = torch.zeros(10, 8)
+    for i in range(7):
+        keys[i, i + 1] = 1.0
+    keys[7] = torch.tensor([3.0, 1, 1, 1, 1, 1, 1, 1]) / 4
+    keys[8, 0] = 1.0
+    kn = F.normalize(keys, dim=-1).double().expand(3, 10, 8)
+    mergeable = torch.ones(3, 10, dtype=torch.bool)
+    at = device_sets(kn, mergeable, 0.75)[0]
+    assert at.all()  # every token its own set
+    below = device_sets(kn, mergeable, 0.7499)[0]
+    assert below[0].nonzero().view(-1).tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9]  # 7 merges into 8's set
+    monkeypatch.setattr(kvmerger_ops, "SETS_PASS_BYTES", 48 * 10 * 10)  # one sequence per pass
+    assert torch.equal(device_sets(kn, mergeable, 0.7499)[0], below)
+
+
+@pytest.mark.parametrize(("budget", "fields"), [(24, {}), (24, {"shared_sets": True}), (0.5, {}),
+                                                 (0.5, {"sigma_mode": "eq7", "shared_sets": True})])
+def test_kvmerger_prefill_is_the_same_in_both_forms(budget, fields):
+    """The whole prefill with ``few_kernels`` (device sets) equals the host scan's: kept positions, merged keys and
+    values, per-layer ratios and thetas, on a left-padded batch of two."""
+    g = torch.Generator().manual_seed(11)
+    n, pad, hq, hkv, d = 90, 7, 4, 2, 8
+    q = torch.randn(2, hq, n, d, generator=g)
+    k = torch.stack([torch.stack([_smooth(g, n, d) for _ in range(hkv)]) for _ in range(2)])
+    v = torch.randn(2, hkv, n, d, generator=g)
+    key_valid = torch.ones(2, n, dtype=torch.bool)
+    key_valid[1, :pad] = False
+    caps = torch.tensor([math.ceil(budget * n), math.ceil(budget * (n - pad))]) if budget < 1 else \
+        torch.tensor([budget, budget])
+    results = []
+    for few in (False, True):
+        layer = make_layer(k, v)
+        layer.set_valid(key_valid.view(2, 1, n).expand(2, hkv, n).clone())
+        ctx = prefill_ctx(q, layer, caps, key_valid=key_valid)
+        ctx.few_kernels = few
+        method = KVMerger(**fields)
+        method.validate(Budget.parse(budget))
+        method.prefill(layer, ctx)
+        results.append((layer, method))
+    (host, host_m), (dev, dev_m) = results
+    for row in range(2):
+        assert kept_positions(dev, row) == kept_positions(host, row)
+    assert torch.equal(dev.valid if dev.valid is not None else torch.ones_like(dev.positions, dtype=torch.bool),
+                       host.valid if host.valid is not None else torch.ones_like(host.positions, dtype=torch.bool))
+    torch.testing.assert_close(dev.keys, host.keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dev.values, host.values, rtol=0, atol=1e-6)
+    assert dev_m.last_ratios == host_m.last_ratios and dev_m.last_thetas == host_m.last_thetas
+    assert host_m.last_ratios[0] < 1  # something was merged
