@@ -49,7 +49,7 @@ SCORERS = ["tests/test_method_scorers.py", "tests/test_parity_kvpress.py"]
 THINK = ["tests/test_parity_kvpress_think.py", "tests/test_parity_think_official.py"]
 TOVA = [*SCORERS, "tests/test_parity_tova_official.py", "-k", "tova"]
 ADAKV_OFFICIAL = ["tests/test_parity_adakv_official.py"]
-KVZIP = ["tests/test_parity_kvpress_kvzip.py"]
+KVZIP = ["tests/test_parity_kvpress_kvzip.py", "tests/test_parity_kvzip_official.py"]
 RAGGED = ["tests/test_ragged_cache.py"]
 
 
