@@ -46,8 +46,10 @@ STREAMINGLLM = ["tests/test_methods.py", PARITY, "-k", "not parity or streamingl
 CAM = ["tests/test_method_cam.py", PARITY, "-k", "not parity or cam"]
 BATCH = ["tests/test_batch_equals_single.py", "-k", "snapkv or pyramidkv or h2o"]
 SCORERS = ["tests/test_method_scorers.py", "tests/test_parity_kvpress.py"]
-THINK = ["tests/test_parity_kvpress_think.py"]
-KVZIP = ["tests/test_parity_kvpress_kvzip.py"]
+THINK = ["tests/test_parity_kvpress_think.py", "tests/test_parity_think_official.py"]
+TOVA = [*SCORERS, "tests/test_parity_tova_official.py", "-k", "tova"]
+ADAKV_OFFICIAL = ["tests/test_parity_adakv_official.py"]
+KVZIP = ["tests/test_parity_kvpress_kvzip.py", "tests/test_parity_kvzip_official.py"]
 RAGGED = ["tests/test_ragged_cache.py"]
 KERNELS = ["tests/test_prefill_kernels.py", "tests/test_fused_column_sums.py", "tests/test_method_cam.py"]
 
@@ -307,7 +309,11 @@ MUTANTS = [
     Mutant("tova-decode-max-heads", "tova", "kvbench/methods/tova.py",
            "scores = ctx.probs[:, :, :, -1].mean((1, 2))",
            "scores = ctx.probs[:, :, :, -1].amax((1, 2))",
-           [*SCORERS, "-k", "tova"], "decode: the heads' maximum attention instead of their average"),
+           TOVA, "decode: the heads' maximum attention instead of their average"),
+    Mutant("tova-prefill-second-to-last-query", "tova", "kvbench/methods/tova.py",
+           "probs = window_attention(queries, keys, 1, scaling, key_valid)[:, :, 0]",
+           "probs = window_attention(queries, keys, 2, scaling, key_valid)[:, :, 0]",
+           TOVA, "prefill: the second-to-last prompt query's attention instead of the last's"),
     Mutant("expected-attention-covariance-scale", "expected_attention", "kvbench/methods/expected_attention.py",
            "* (scaling * scaling / 2)",
            "* (scaling / 2)",
@@ -319,7 +325,7 @@ MUTANTS = [
     Mutant("tova-kvpress-first-token", "tova", "kvbench/methods/tova.py",
            'scores[..., -1] = float("inf")',
            'scores[..., 0] = float("inf")',
-           [*SCORERS, "-k", "tova"], "kvpress reading's safeguard: the first prompt token kept instead of the last"),
+           TOVA, "kvpress reading's safeguard: the first prompt token kept instead of the last"),
     Mutant("expected-attention-sinks-dropped", "expected_attention", "kvbench/methods/expected_attention.py",
            'sinks = torch.full((hkv, min(n_sink, n)), float("inf"), device=probs.device)',
            'sinks = torch.full((hkv, min(n_sink, n)), float("-inf"), device=probs.device)',
@@ -336,6 +342,14 @@ MUTANTS = [
            "    if n_safe:",
            "    if False:",
            [*SCORERS, "-k", "adakv"], "the safeguard: no head guaranteed alpha x budget"),
+    Mutant("adakv-official-round-half-up", "adakv", "kvbench/methods/adakv.py",
+           "budgets = torch.round(counts * (1 - alpha) + floor).int()[0]",
+           "budgets = torch.round(counts * (1 - alpha) + floor + 0.5).int()[0]",
+           ADAKV_OFFICIAL, "official allocation: budgets rounded up instead of torch.round's half to even"),
+    Mutant("adakv-official-floor-with-window", "adakv", "kvbench/methods/adakv.py",
+           "    floor = int(base * alpha)",
+           "    floor = int(capacity * alpha)",
+           ADAKV_OFFICIAL, "official allocation: the uniform share computed on the budget with the window"),
     Mutant("ragged-resident-counts-padding", "adakv", "kvbench/engine/cache.py",
            "return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()",
            "return 2 * self.lengths.numel() * self.width * self.keys.shape[-1] * self.keys.element_size()",

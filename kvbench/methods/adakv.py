@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import PrefillContext, check_choice, host_ints, keep_entries
 from kvbench.methods.scorer_wrapper import ScorerWrapper
 
@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
 #: (counted in resident bytes); ``kvpress_mask``: kvpress's reading, nothing leaves memory, evicted entries are masked
 #: out of attention (resident bytes stay those of the whole prompt)
 LAYOUTS = ("ragged", "padded", "kvpress_mask")
+#: ``kvpress`` (default): kvpress ``AdaKVPress``'s safeguard (``adakv_keep``); ``official_code``: the authors' code
+#: (FFY0/AdaKV ``AdaptiveSnapKVCluster.update_kv``, ``adakv_keep_official``; tests/test_parity_adakv_official.py)
+ALLOCATIONS = ("kvpress", "official_code")
 
 
 def adakv_keep(scores: torch.Tensor, capacity: int, alpha: float) -> torch.Tensor:
@@ -45,6 +48,42 @@ def adakv_keep(scores: torch.Tensor, capacity: int, alpha: float) -> torch.Tenso
     return kept.view(h, n) & (scores > float("-inf"))
 
 
+def adakv_keep_official(scores: torch.Tensor, capacity: int, alpha: float) -> torch.Tensor:
+    """One row's kept entries ``(H, n)`` bool from scores ``(H, n)``, allocated as the authors'
+    ``AdaptiveSnapKVCluster.update_kv`` (FFY0/AdaKV efe4e2e, ``adaptive_snapkv/monkeypatch/snapkv_utils.py``).
+
+    The scorer's ``+inf`` entries (SnapKV's window: the same number ``w`` in every head) stay outside the
+    allocation; with ``B = capacity - w`` and the other entries in position order, nothing is evicted when ``B``
+    exceeds them; otherwise each head's share ``c_h`` is how many of the layer's top ``H * B`` scores are its own
+    (``topk`` over each head's scores sorted descending, flattened), its budget ``round(c_h * (1 - alpha) +
+    int(B * alpha))`` (``torch.round`` of float32: half to even; the budgets need not sum to ``H * B``), and it keeps
+    the first ``budget`` of its sorted scores. The same torch ops on the same shapes as the code, so equal scores
+    break alike.
+    """
+    h, n = scores.shape
+    forced = scores == float("inf")
+    w = int(forced[0].sum())
+    if not bool((forced.sum(-1) == w).all()):
+        raise NotAvailableError("method 'adakv': allocation=official_code needs the same number of must-keep entries "
+                                "in every head (SnapKV's window)")
+    positions = torch.arange(n, device=scores.device).expand(h, n)
+    free_pos = positions[~forced].view(h, n - w)
+    free = scores[~forced].view(1, h, n - w)
+    base = capacity - w
+    if base > n - w:
+        return torch.ones(h, n, dtype=torch.bool, device=scores.device)
+    floor = int(base * alpha)
+    sorted_scores, sorted_idx = free.sort(dim=-1, descending=True)
+    share = torch.topk(sorted_scores.reshape(1, (n - w) * h), k=h * base, dim=-1).indices // (n - w)
+    counts = torch.zeros((1, h), device=scores.device, dtype=share.dtype)
+    counts.scatter_add_(-1, share, torch.ones_like(share, dtype=counts.dtype))
+    budgets = torch.round(counts * (1 - alpha) + floor).int()[0]
+    kept = forced.clone()
+    for head in range(h):
+        kept[head, free_pos[head, sorted_idx[0, head, : int(budgets[head])]]] = True
+    return kept
+
+
 @dataclass
 class AdaKV(ScorerWrapper):
     """Prefill-only: per layer, ``heads x budget`` entries chosen over the scorer's scores of all heads together
@@ -59,17 +98,26 @@ class AdaKV(ScorerWrapper):
     resident bytes (the layout engine.compile needs). ``sample_stats`` records, per layer, the entries kept and the
     entries allocated (equal under ``ragged``). ``layout="kvpress_mask"``: kvpress's reading (nothing freed, evicted
     entries masked out of attention); never the default.
+
+    ``allocation="kvpress"`` (default): the safeguard as kvpress ``AdaKVPress`` applies it (``adakv_keep``: each
+    head's top ``int(alpha * budget)`` scores made unbeatable, counted together with the scorer's +inf entries, then
+    the top ``heads x budget`` of the layer). ``allocation="official_code"``: the authors' code
+    (``adakv_keep_official``: the window outside the allocation, ``alpha`` of the rest uniform and ``1 - alpha`` by
+    each head's share of the layer's top scores, rounded); the per-head budgets differ from kvpress's on most inputs
+    (tests/test_parity_adakv_official.py).
     """
 
     name: ClassVar[str] = "adakv"
     alpha_safeguard: float = 0.2
     layout: str = "ragged"
+    allocation: str = "kvpress"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0 <= self.alpha_safeguard <= 1:
             raise ConfigError(f"method 'adakv': alpha_safeguard={self.alpha_safeguard} must be in [0, 1]")
         check_choice("adakv", "layout", self.layout, LAYOUTS)
+        check_choice("adakv", "allocation", self.allocation, ALLOCATIONS)
         self._stats: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (kept, allocated) entries per row
 
     def expected_compression(self, budget, prompt_len: int, num_layers: int) -> str:
@@ -86,7 +134,8 @@ class AdaKV(ScorerWrapper):
         kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         for row, cap in enumerate(host_ints(layer, ctx.capacity)):  # each row on its own tokens, as it would be alone
             where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
-            kept[row][:, where] = adakv_keep(scores[row][:, where], cap, self.alpha_safeguard)
+            keep = adakv_keep_official if self.allocation == "official_code" else adakv_keep
+            kept[row][:, where] = keep(scores[row][:, where], cap, self.alpha_safeguard)
         if layer.valid is not None:
             kept = kept & layer.valid
         if self.layout == "kvpress_mask":
@@ -98,6 +147,12 @@ class AdaKV(ScorerWrapper):
         kept_per_row = [int(x) for x in kept.sum(dim=(1, 2)).tolist()]
         allocated = kept_per_row if self.layout == "ragged" else [layer.num_entries * kept.shape[1]] * kept.shape[0]
         self._stats[ctx.layer_idx] = (kept_per_row, allocated)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if self.allocation == "kvpress":  # left out at its default: results stored before the option keep their hash
+            out.pop("allocation")
+        return out
 
     def sample_stats(self, row: int) -> dict:
         layers = sorted(self._stats)
