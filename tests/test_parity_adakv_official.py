@@ -107,6 +107,12 @@ def test_adakv_default_allocation_is_kvpress_not_the_code():
     assert min(ours) == WINDOW and min(gqa["per_layer"][0]["budgets"]) >= WINDOW + 8
 
 
-def test_adakv_allocation_stays_out_of_the_result_key_at_its_default():
-    assert "allocation" not in METHODS.build("adakv", {}).describe()
-    assert METHODS.build("adakv", {"allocation": "official_code"}).describe()["allocation"] == "official_code"
+def test_the_default_allocation_is_the_authors_and_old_keys_read_as_kvpress():
+    """The default is the authors' code and enters the result key; kvpress's, which every AdaKV result stored before
+    the option ran, stays out of it (those results keep their hash) and reports read a key without the field as it."""
+    from kvbench.report.store import method_label
+
+    assert METHODS.build("adakv", {}).describe()["allocation"] == "official_code"
+    assert "allocation" not in METHODS.build("adakv", {"allocation": "kvpress"}).describe()
+    assert method_label({"name": "adakv-snapkv", "layout": "ragged"}) == "adakv-snapkv[allocation=kvpress]"
+    assert method_label({"name": "adakv-snapkv", "allocation": "official_code"}) == "adakv-snapkv"

@@ -37,8 +37,8 @@ READINGS = {
     "keydiff_block128": {"name": "keydiff", "mode": "block", "block_size": 128},
     "tova": {"name": "tova", "variant": "kvpress_prefill"},
     "expected_attention": {"name": "expected_attention"},
-    "adakv_knorm": {"name": "adakv", "scorer": "knorm"},
-    "adakv_expected_attention": {"name": "adakv", "scorer": "expected_attention"},
+    "adakv_knorm": {"name": "adakv", "scorer": "knorm", "allocation": "kvpress"},
+    "adakv_expected_attention": {"name": "adakv", "scorer": "expected_attention", "allocation": "kvpress"},
     "chunkkv_knorm": {"name": "chunkkv", "scorer": "knorm", "variant": "kvpress"},
     "chunkkv_expected_attention": {"name": "chunkkv", "scorer": "expected_attention", "variant": "kvpress"},
 }

@@ -98,9 +98,9 @@ def test_keep_after_on_a_ragged_layer_keeps_the_window_as_the_padded_layout():
     assert ragged.resident_bytes() == int(ragged.valid_counts().sum()) * (4 + 4) * 4
 
 
-def _run(model, name, layout, prompts, budget, new=24, **kwargs):
+def _run(model, name, layout, prompts, budget, new=24, fields=None, **kwargs):
     b = Budget.parse(budget)
-    method = build_method({"name": name, "layout": layout}, b)
+    method = build_method({"name": name, "layout": layout, **(fields or {})}, b)
     caches = []
 
     class Recording(KVCache):
@@ -125,8 +125,10 @@ def _prompt(n, seed):
 @pytest.mark.parametrize("name,rows", [("adakv", 1), ("adakv", 2), ("kvzip", 1)])
 def test_ragged_decodes_as_padded_and_holds_only_the_kept_entries(toy_llama, name, rows):
     prompts = [_prompt(200, 1), _prompt(150, 2)][:rows]
-    ragged, ragged_session, method, cache = _run(toy_llama, name, "ragged", prompts, 48)
-    padded, padded_session, _, padded_cache = _run(toy_llama, name, "padded", prompts, 48)
+    # AdaKV with kvpress's allocation: exactly H x C per layer (the authors' rounds each head's budget)
+    fields = {"allocation": "kvpress"} if name == "adakv" else {}
+    ragged, ragged_session, method, cache = _run(toy_llama, name, "ragged", prompts, 48, fields=fields)
+    padded, padded_session, _, padded_cache = _run(toy_llama, name, "padded", prompts, 48, fields=fields)
     assert ragged.tokens == padded.tokens
     assert ragged_session.stats.attended_tokens_mean == pytest.approx(padded_session.stats.attended_tokens_mean)
     assert ragged_session.stats.layer_entries_after_prefill == padded_session.stats.layer_entries_after_prefill
@@ -190,7 +192,8 @@ def test_questions_after_a_ragged_compression_answer_as_after_a_padded_one(toy_l
     runs = {}
     for layout in ("ragged", "padded"):
         b = Budget.parse(48)
-        with CompressionSession(toy_llama, build_method({"name": "adakv", "layout": layout}, b), b):
+        method = build_method({"name": "adakv", "layout": layout, "allocation": "kvpress"}, b)  # exactly H x C
+        with CompressionSession(toy_llama, method, b):
             runs[layout] = staged_generate(toy_llama, _prompt(200, 1), [_prompt(7, 2), _prompt(5, 3)], [6, 6], [],
                                            history=history)
     ragged, padded = runs["ragged"], runs["padded"]

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
 #: (counted in resident bytes); ``kvpress_mask``: kvpress's reading, nothing leaves memory, evicted entries are masked
 #: out of attention (resident bytes stay those of the whole prompt)
 LAYOUTS = ("ragged", "padded", "kvpress_mask")
-#: ``kvpress`` (default): kvpress ``AdaKVPress``'s safeguard (``adakv_keep``); ``official_code``: the authors' code
+#: ``official_code`` (default): the authors' code; ``kvpress``: kvpress ``AdaKVPress``'s safeguard (``adakv_keep``)
 #: (FFY0/AdaKV ``AdaptiveSnapKVCluster.update_kv``, ``adakv_keep_official``; tests/test_parity_adakv_official.py)
 ALLOCATIONS = ("kvpress", "official_code")
 
@@ -99,18 +99,22 @@ class AdaKV(ScorerWrapper):
     entries allocated (equal under ``ragged``). ``layout="kvpress_mask"``: kvpress's reading (nothing freed, evicted
     entries masked out of attention); never the default.
 
-    ``allocation="kvpress"`` (default): the safeguard as kvpress ``AdaKVPress`` applies it (``adakv_keep``: each
-    head's top ``int(alpha * budget)`` scores made unbeatable, counted together with the scorer's +inf entries, then
-    the top ``heads x budget`` of the layer). ``allocation="official_code"``: the authors' code
-    (``adakv_keep_official``: the window outside the allocation, ``alpha`` of the rest uniform and ``1 - alpha`` by
-    each head's share of the layer's top scores, rounded); the per-head budgets differ from kvpress's on most inputs
-    (tests/test_parity_adakv_official.py).
+    ``allocation="official_code"`` (default): the authors' code (``adakv_keep_official``: the scorer's must-keep
+    entries outside the allocation, ``alpha`` of the rest uniform and ``1 - alpha`` by each head's share of the layer's
+    top scores, rounded; tests/test_parity_adakv_official.py pins it on the code's own outputs).
+    ``allocation="kvpress"``: the safeguard as kvpress ``AdaKVPress`` applies it (``adakv_keep``: each head's top
+    ``int(alpha * budget)`` scores made unbeatable, counted together with the scorer's +inf entries, then the top
+    ``heads x budget`` of the layer); the per-head budgets differ from the code's on most inputs, and with a 32-token
+    window and ``alpha * budget <= 32`` nothing beyond the window is protected (tests/test_parity_kvpress.py pins it).
+    Results stored before the option ran ``kvpress`` (their key has no ``allocation``: ``key_omitted``).
     """
 
     name: ClassVar[str] = "adakv"
     alpha_safeguard: float = 0.2
     layout: str = "ragged"
-    allocation: str = "kvpress"
+    allocation: str = "official_code"
+    #: results stored before the option ran kvpress's allocation and have no ``allocation`` in their key
+    key_omitted: ClassVar[dict[str, object]] = {"allocation": "kvpress"}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -147,12 +151,6 @@ class AdaKV(ScorerWrapper):
         kept_per_row = [int(x) for x in kept.sum(dim=(1, 2)).tolist()]
         allocated = kept_per_row if self.layout == "ragged" else [layer.num_entries * kept.shape[1]] * kept.shape[0]
         self._stats[ctx.layer_idx] = (kept_per_row, allocated)
-
-    def describe(self) -> dict:
-        out = super().describe()
-        if self.allocation == "kvpress":  # left out at its default: results stored before the option keep their hash
-            out.pop("allocation")
-        return out
 
     def sample_stats(self, row: int) -> dict:
         layers = sorted(self._stats)

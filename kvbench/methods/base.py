@@ -78,6 +78,10 @@ class Method:
     #: the method keeps decode-time state outside the cache layers (PyramidInfer's attention rows): turn_history=
     #: rollback, which restores the cache layers only, refuses it
     decode_state_outside_cache: ClassVar[bool] = False
+    #: fields added after results were stored, with the value those results ran with: a result key leaves such a
+    #: field out while it holds that value (stored results keep their hash), and reports read a key without the field
+    #: as holding it (``report.store.non_default_fields``), whatever the field's default is today
+    key_omitted: ClassVar[dict[str, object]] = {}
 
     def validate(self, budget: Budget) -> None:
         """Reject a budget or hyperparameters before any model loads (raise ConfigError naming the value)."""
@@ -232,7 +236,8 @@ class Method:
         """Hyperparameters as data (stored in meta.json)."""
         from dataclasses import asdict
 
-        return {"name": self.name, **asdict(self)}
+        fields = {k: v for k, v in asdict(self).items() if k not in self.key_omitted or v != self.key_omitted[k]}
+        return {"name": self.name, **fields}
 
     def sample_stats(self, row: int) -> dict:
         """Per-layer decisions of the last prefill for batch row ``row`` as JSON data (lists of numbers), stored in

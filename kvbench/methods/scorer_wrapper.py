@@ -70,5 +70,3 @@ class ScorerWrapper(Method):
         """The scorer's ``(B, H, n)`` scores of the layer (+inf kept, -inf padding), float32."""
         return self._scorer.prefill_scores(layer, ctx).float()
 
-    def describe(self) -> dict:
-        return {"name": self.name, **dataclasses.asdict(self)}

@@ -47,6 +47,16 @@ def job_dirs(results_dir: str | Path) -> list[Path]:
 
 
 @lru_cache(maxsize=64)
+def method_key_omitted(name: str) -> dict[str, Any]:
+    """``Method.key_omitted`` of a registered method (``adakv-snapkv``: adakv's); empty when unknown."""
+    from kvbench.methods import METHODS
+
+    try:
+        return dict(METHODS.get_class(name.partition("-")[0] if name not in METHODS.entries else name).key_omitted)
+    except Exception:  # a pending or unknown method
+        return {}
+
+
 def method_defaults(name: str) -> dict[str, Any] | None:
     """The default fields of a registered method (None when kvbench does not implement it), as a default instance
     holds them: a field whose default ``None`` means "by variant" (DynamicKV's ``schedule``, D2O's ``beta``) is
@@ -92,6 +102,7 @@ def non_default_fields(method_cfg: dict[str, Any]) -> dict[str, Any]:
     fields = {k: v for k, v in method_cfg.items() if k != "name"}
     if defaults is None:
         return fields
+    fields = {**method_key_omitted(name), **fields}  # a key without such a field ran with its omitted value
     return {k: v for k, v in fields.items() if k not in defaults or not _same(v, defaults[k])}
 
 
