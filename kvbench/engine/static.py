@@ -30,7 +30,7 @@ from kvbench.methods.d2o_ops import static_merge_evict
 from kvbench.methods.omnikv_select import select_by_last_query, slide_window, window_choice
 
 #: what a method does at a decode step, in a form the static step can run
-EVICTIONS = ("none", "oldest", "score", "merge")
+EVICTIONS = ("none", "oldest", "score", "merge", "least_attended")
 #: which entries a step attends to: all valid ones, Quest's critical pages, or OmniKV's prompt tokens chosen by a
 #: filter layer (``filter`` chooses them and attends to everything, ``segment`` attends to the choice)
 SELECTIONS = ("none", "pages", "filter", "segment")
@@ -40,8 +40,10 @@ SELECTIONS = ("none", "pages", "filter", "segment")
 class StaticPolicy:
     """``evict``: ``none`` (prefill-only methods: appended tokens stay), ``oldest`` (StreamingLLM: the oldest entry
     after ``sinks`` leaves), ``score`` (H2O: the lowest accumulated attention outside the ``sinks`` first and the
-    ``recent`` newest positions leaves). ``accumulate``: add each step's attention probabilities (mean over the GQA
-    group) to the entries' scores (H2O's running column sums, state ``acc``). ``select="pages"`` (Quest, which never
+    ``recent`` newest positions leaves), ``least_attended`` (TOVA: the entry this step's query attends to least,
+    averaged over all query heads, the same entry in every KV head, the new one included). ``accumulate``: add each
+    step's attention probabilities (mean over the GQA group) to the entries' scores (H2O's running column sums, state
+    ``acc``). ``select="pages"`` (Quest, which never
     evicts): the step attends only to the ``pages`` pages of ``page_size`` slots with the highest criticality bound
     (the newest entry's page always among them; the KV group's bounds aggregated by ``group_agg``).
 
@@ -211,7 +213,9 @@ def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
     elif evict != "none":
         newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
         candidate = valid & (positions >= sinks)
-        if evict == "score":
+        if evict == "least_attended":  # TOVA: the step's query over all query heads, one entry for every KV head
+            key = probs[:, :, :, -1].mean((1, 2)).unsqueeze(1).expand(b, hkv, c).masked_fill(~valid, float("inf"))
+        elif evict == "score":
             candidate = candidate & (positions <= newest - recent)
             key = acc.masked_fill(~candidate, float("inf"))
         else:  # the oldest entry after the sinks

@@ -146,6 +146,10 @@ class ThinK(Method):
     def static_policy(self, capacity: int):
         return None  # engine.compile's static layers hold full-width keys
 
+    def static_refusal(self) -> str:
+        return ("its keys keep fewer channels than its queries (the static step attends full-width keys; a per-head "
+                "channel gather of the query is not written in static form)")
+
     def budget_label(self, budget: Budget) -> str | None:
         return self._inner.budget_label(budget)
 

@@ -80,4 +80,4 @@ class TOVA(Method):
     def static_policy(self, capacity: int, layer_idx: int = 0):
         from kvbench.engine.static import StaticPolicy
 
-        return StaticPolicy() if self.variant == "kvpress_prefill" else None
+        return StaticPolicy() if self.variant == "kvpress_prefill" else StaticPolicy("least_attended")
