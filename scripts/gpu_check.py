@@ -6,6 +6,8 @@
    logits (max abs difference), the token positions each layer and head keeps after the prefill (overlap of the
    GPU's kept set with the CPU's) and 8 greedy tokens (agreement). Scores computed in a different order on the two
    devices can swap near-ties, so the bounds are an overlap of at least 0.98 and a logit difference below 1e-3.
+   On CUDA the session takes the constant-kernel prefill forms (``few_kernels``: fused column sums, CaM's blocked
+   Λ attention, KVMerger's device sets) and the CPU its chunked ones, so this also checks those forms on the GPU.
 2. bfloat16 on the GPU, a left-padded batch of two prompts: every method generates 16 tokens with torch's SDPA
    restricted to its FlashAttention-2 kernel (``sdpa_kernel(FLASH_ATTENTION)``); a method whose attention calls
    cannot use that kernel (an explicit mask, float32 scores) is run again with every SDPA kernel and marked so.
