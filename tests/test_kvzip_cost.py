@@ -9,7 +9,9 @@ one block of queries' probabilities at a time.
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import ByteTokenizer
 from kvbench.budget import Budget
@@ -18,6 +20,7 @@ from kvbench.engine import session as session_module
 from kvbench.engine.cache import KVCache
 from kvbench.engine.compat import cache_kwargs
 from kvbench.methods import build_method
+from kvbench.methods.kvzip_ops import reconstruction_scores
 
 
 def _prompt(n: int) -> torch.Tensor:
@@ -56,3 +59,33 @@ def test_repeat_forwards_attend_through_the_models_kernel(toy_llama, monkeypatch
     assert plain == {"sdpa": layers, "grouped": 0}
     kvzip = _attention_calls(toy_llama, {"name": "kvzip", "chunk_size": 64}, Budget.parse(48), ids, monkeypatch)
     assert kvzip == {"sdpa": layers * (1 + 4), "grouped": 0}
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operator returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("start,end", [(0, 256), (256, 512)])
+def test_scoring_holds_one_block_of_probabilities(start, end):
+    """Scoring a 256-entry chunk from 300 repeat queries (4 query heads over 2 KV heads): the whole probability
+    tensor would hold 4 x 300 x (sinks + 256 + 300) values; with blocks of at most 16384 no tensor exceeds the blocks
+    or the inputs, and the scores equal the one-block computation's."""
+    g = torch.Generator().manual_seed(0)
+    queries, keys = torch.randn(1, 4, 300, 8, generator=g), torch.randn(1, 2, 812, 8, generator=g)
+    whole = reconstruction_scores(queries, keys, start, end, 4, 8**-0.5, block_elements=1 << 30)
+    with _LargestTensor() as seen:
+        blocked = reconstruction_scores(queries, keys, start, end, 4, 8**-0.5, block_elements=16384)
+    full_size = 4 * 300 * (min(4, start) + (end - start) + 300)
+    assert seen.largest <= max(16384, keys.numel()) < full_size // 40
+    torch.testing.assert_close(blocked, whole, atol=1e-6, rtol=0)
