@@ -381,9 +381,9 @@ MUTANTS = [
            THINK, "channel choice: the highest-scored channels pruned instead of the lowest"),
     # ---- KVzip (kvbench/methods/kvzip_ops.py) ------------------------------------------------------------------
     Mutant("kvzip-max-over-queries", "kvzip", "kvbench/methods/kvzip_ops.py",
-           "return probs[..., sink : sink + chunk].amax(dim=(-3, -2))",
-           "return probs[..., sink : sink + chunk].mean(dim=-2).amax(dim=-2)",
-           KVZIP, "score: the mean attention over the repeat queries instead of the max"),
+           "torch.maximum(scores, probs[..., sink : sink + chunk].amax(dim=(-3, -2)), out=scores)",
+           "torch.maximum(scores, probs[..., sink : sink + chunk].mean(dim=-2).amax(dim=-2), out=scores)",
+           KVZIP, "score: the mean attention over the repeat queries (of a query block) instead of the max"),
     Mutant("kvzip-uniform-layers", "kvzip", "kvbench/methods/kvzip_ops.py",
            "per_layer = torch.bincount(pruned // (h * n), minlength=n_layers).tolist()",
            "per_layer = [n_pruned // n_layers] * n_layers",

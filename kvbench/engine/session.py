@@ -81,6 +81,7 @@ class CompressionSession:
         self.tokenizer = tokenizer
         self._reconstruct_pending = False  # needs_reconstruction: the prompt's forward ended, its repeat forwards not
         self._reconstructing: tuple[int, int] | None = None  # the chunk [start, end) a repeat forward reconstructs
+        self._reconstruct_mask: torch.Tensor | None = None  # that forward's additive mask, built at its first layer
         self.budget = budget
         self.position_mode = position_mode
         self.sliding_layers = sliding_layers
@@ -341,30 +342,55 @@ class CompressionSession:
         try:
             for start, end, ids in self.method.reconstruction_chunks(input_ids[0].tolist(), self.tokenizer):
                 first, q = layers[0].seen, len(ids)
-                self._reconstructing = (start, end)
+                self._reconstructing, self._reconstruct_mask = (start, end), None
                 self.model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1,
                            position_ids=torch.arange(first, first + q, device=device).view(1, -1),
                            **cache_kwargs(self.model, cache))
                 for layer in layers:
                     layer.drop_newest(q)
         finally:
-            self._reconstructing = None
+            self._reconstructing, self._reconstruct_mask = None, None
         self.method.finish_reconstruction([self._layers[i] for i in self.compressed])
         self._record_prefill_stats(layers, check=True)
 
-    def _reconstruct_attend(self, backend, module, layer, query, kwargs):
+    def _reconstruct_attend(self, impl, backend, module, layer, query, kwargs):
         """A repeat forward's layer: the model's attention over the whole cache (causal among the repeat tokens), and
-        the method's scores from the repeat tokens' queries. No decode statistics, no decode hook."""
+        the method's scores from the repeat tokens' queries. No decode statistics, no decode hook.
+
+        A layer the backend can read as it is (every entry valid, KV-head-granular, full attention, no soft-cap or
+        sinks) attends through the backend itself, as a plain continued forward would (sdpa: the fused kernel), with
+        an additive mask built once per forward (a bool mask would be converted per layer); otherwise through
+        ``grouped_attention``, which materialises ``(B, Hkv, g, q, T)`` probabilities: at 4k on SmolLM2 that path took
+        111 s of a 200 s KVzip prefill (1 CPU thread), the backend about 20 s."""
         idx = module.layer_idx
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        ctx = DecodeContext(layer_idx=self._method_index.get(idx, idx), num_layers=len(self.compressed),
-                            num_kv_heads=layer.values.shape[1], query=query, probs=None, capacity=layer.capacity,
-                            scaling=scaling)
-        out, _, _ = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs, acts=False)
+        spec = self.layer_specs[idx]
+        plain = impl in ("sdpa", "eager") and layer.ragged is None and layer.valid is None
+        plain = plain and layer.keys.shape[1] == self.num_kv_heads and layer.key_channels is None
+        if plain and not spec.sliding and spec.softcap is None and spec.sinks is None:
+            mask = self._repeat_mask(query, layer.num_entries)
+            out, _ = backend(module, query, layer.keys, layer.values, mask, **kwargs)
+        else:
+            ctx = DecodeContext(layer_idx=self._method_index.get(idx, idx), num_layers=len(self.compressed),
+                                num_kv_heads=layer.values.shape[1], query=query, probs=None, capacity=layer.capacity,
+                                scaling=scaling)
+            out, _, _ = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs, acts=False)
         if idx in self._method_index:
             start, end = self._reconstructing
             self.method.score_reconstruction(self._method_index[idx], layer, query, start, end, scaling)
         return out, None
+
+    def _repeat_mask(self, query: torch.Tensor, entries: int) -> torch.Tensor:
+        """The repeat forward's additive mask ``(1, 1, q, T)``: 0 where a query may look (every cached entry, the
+        repeat tokens causally), -inf elsewhere; built at the forward's first layer, shared by the others."""
+        q, device = query.shape[2], query.device
+        mask = self._reconstruct_mask
+        if mask is None or mask.shape[-2:] != (q, entries) or mask.dtype != query.dtype:
+            newest = torch.arange(entries - q, entries, device=device).view(-1, 1)  # each query's own entry
+            hidden = torch.arange(entries, device=device) > newest
+            mask = torch.zeros(1, 1, q, entries, dtype=query.dtype, device=device).masked_fill_(hidden, float("-inf"))
+            self._reconstruct_mask = mask
+        return mask
 
     # ---- the attention call ------------------------------------------------------------------------------------
     def attend(self, impl, module, query, key, value, attention_mask, **kwargs):
@@ -375,7 +401,7 @@ class CompressionSession:
         self._attached.add(module.layer_idx)
         idx = module.layer_idx
         if self._reconstructing is not None:
-            return self._reconstruct_attend(backend, module, layer, query, kwargs)
+            return self._reconstruct_attend(impl, backend, module, layer, query, kwargs)
         q_len = query.shape[2]
         position_ids = kwargs.get("position_ids")
         static = isinstance(layer, StaticKVLayer)

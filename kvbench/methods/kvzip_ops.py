@@ -15,27 +15,45 @@ import torch
 FIRST_CHUNK_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_CHUNK_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 PREVIOUS_TAIL_TOKENS = 8
+#: reconstruction_scores' query blocks: about this many probabilities at a time (4 MiB in float32)
+BLOCK_ELEMENTS = 1 << 20
 
 
 def reconstruction_scores(queries: torch.Tensor, keys: torch.Tensor, start: int, end: int, n_sink: int,
-                          scaling: float) -> torch.Tensor:
+                          scaling: float, block_elements: int = BLOCK_ELEMENTS) -> torch.Tensor:
     """Max attention each entry of the chunk ``[start, end)`` receives from the repeat forward's queries: ``(B, H,
     end - start)``, the max over the queries and the query heads of each KV group.
 
     queries ``(B, Hq, q, D)``: the repeat tokens' post-RoPE queries; keys ``(B, H, T, D)``: the layer's cache with the
     repeat tokens' own ``q`` keys last. As kvpress, the softmax runs over the first ``min(n_sink, start)`` entries
     (sinks), the chunk and the repeat tokens (causal among themselves), not over the whole context.
+
+    The queries go in blocks whose probabilities hold about ``block_elements`` values, each block's logits up to its
+    last query's own key (the later repeat tokens are masked for all its rows): every row's softmax and the max are
+    the same numbers as over all queries at once, without the ``(B, Hq, q, sink + chunk + q)`` tensor (SmolLM2, a 2k
+    chunk: 300 MB per layer, about 1 s per layer on 1 CPU thread; in blocks 0.17 s).
     """
     b, hq, q, d = queries.shape
     h = keys.shape[1]
     sink = min(n_sink, start)
     chunk = end - start
     keys = torch.cat([keys[:, :, :sink], keys[:, :, start:end], keys[:, :, -q:]], dim=2)
-    logits = torch.matmul(queries.view(b, h, hq // h, q, d), keys.unsqueeze(2).transpose(-2, -1)) * scaling
-    causal = torch.ones(q, q, dtype=torch.bool, device=queries.device).triu(1)
-    logits[..., -q:] = logits[..., -q:].masked_fill(causal, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return probs[..., sink : sink + chunk].amax(dim=(-3, -2))
+    keys_t = keys.transpose(-2, -1)
+    g = hq // h
+    grouped = queries.view(b, h, g, q, d)
+    scores = torch.full((b, h, chunk), float("-inf"), dtype=queries.dtype, device=queries.device)
+    rows = max(1, block_elements // (b * hq * keys.shape[2]))
+    for first in range(0, q, rows):
+        last = min(q, first + rows)
+        # one (g * rows, D) x (D, T') product per KV head (a broadcast over g would copy the keys g times per block)
+        block = grouped[:, :, :, first:last].reshape(b, h, g * (last - first), d)
+        # the repeat tokens after the block's last query are masked for every row of it: left out of the softmax
+        logits = torch.matmul(block, keys_t[..., : sink + chunk + last]).view(b, h, g, last - first, -1) * scaling
+        causal = torch.arange(last, device=queries.device) > torch.arange(first, last, device=queries.device)[:, None]
+        logits[..., sink + chunk :].masked_fill_(causal, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        torch.maximum(scores, probs[..., sink : sink + chunk].amax(dim=(-3, -2)), out=scores)
+    return scores
 
 
 def kvzip_keep(scores: torch.Tensor, n_pruned: int, layerwise: bool, n_sink: int) -> torch.Tensor:
