@@ -291,3 +291,15 @@ def test_a_cell_in_two_grids_is_measured_once_with_both_grids_metrics(tmp_path):
     cells = {(c["method"], c["context_length"]): c["metrics"] for c in expand(cfg.bench)}
     assert cells[("snapkv", 8192)] == ["prefill", "memory", "decode"]
     assert cells[("snapkv", 4096)] == ["memory", "decode"]
+
+
+def test_the_targets_plot_reads_every_kind_of_bound(tmp_path):
+    """``<= r``, ``>= r`` and ``<= r x budget`` (a resident-bytes bound at a multiple of the budget's) each draw their
+    line at r (the last kind used to stop the plot after the data files were written)."""
+    pytest.importorskip("matplotlib")
+    from kvbench.bench.plots import targets_plot
+
+    verdicts = [{"target": t, "method": "snapkv", "budget": "128", "batch_size": 1, "ratio": 0.9, "bound": bound,
+                 "ok": True} for t, bound in (("a", "<= 1.1"), ("b", ">= 0.5"), ("c", "<= 1.05 x budget"))]
+    paths = targets_plot(verdicts, tmp_path, "t")
+    assert paths and all(p.exists() for p in paths)

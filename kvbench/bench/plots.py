@@ -54,7 +54,7 @@ def targets_plot(verdicts: list[dict[str, Any]], out: Path, title: str) -> list[
                 bar.set_edgecolor("black")
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v['ratio']:.2f}", va="center",
                     fontsize=7)
-        bound = float(group[0]["bound"].split()[-1])
+        bound = float(group[0]["bound"].split()[1])  # "<= 1.1", ">= 1.8", "<= 1.05 x budget"
         ax.axvline(bound, color="black", linestyle="--", linewidth=1)
         ax.axvline(1.0, color="grey", linewidth=0.6)
         ax.set_yticks(range(len(group)), labels)
