@@ -282,7 +282,8 @@ CHUNKS = {"chunkkv": 32 + 4 * 20}
                          ids=["adakv-snapkv", "adakv-expected_attention", "kvzip"])
 def test_ragged_heads_hold_the_budget_and_decode_as_padded_ones_on_smollm2(smol, essay_prompt, method, fields):
     """Issue #27 item 3: heads keeping different numbers hold what they keep (layout=ragged, the default), within
-    1.05x the budget's bytes (exactly them), where the padded layout held 1.3-1.9x; and they decode the same tokens."""
+    1.05x the budget's bytes (KVzip exactly them; AdaKV within 1 %: the authors' allocation rounds each head's budget),
+    where the padded layout held 1.3-1.9x; and they decode the same tokens."""
     tokenizer = smol.tokenizer if method in RECONSTRUCTS else None
     runs = {layout: _generate(smol.model, method, BUDGET, essay_prompt, 8, tokenizer, layout=layout, **fields)
             for layout in ("ragged", "padded")}
@@ -290,8 +291,9 @@ def test_ragged_heads_hold_the_budget_and_decode_as_padded_ones_on_smollm2(smol,
     assert ragged_out.tokens == padded_out.tokens
     assert ragged.layer_entries_after_prefill == padded.layer_entries_after_prefill
     assert ragged.attended_tokens_mean == pytest.approx(padded.attended_tokens_mean)
-    assert ragged.resident_kv_bytes_after_prefill == BUDGET * TOKEN_BYTES <= 1.05 * BUDGET * TOKEN_BYTES
-    assert ragged_out.resident_kv_bytes_final == (BUDGET + ragged_out.decode_steps) * TOKEN_BYTES
+    held = sum(round(3 * e) for e in ragged.layer_entries_after_prefill) * TOKEN_BYTES // 90  # 3 heads, no more
+    assert ragged.resident_kv_bytes_after_prefill == held == pytest.approx(BUDGET * TOKEN_BYTES, rel=0.01)
+    assert ragged_out.resident_kv_bytes_final == held + ragged_out.decode_steps * TOKEN_BYTES
     assert padded.resident_kv_bytes_after_prefill > 1.05 * BUDGET * TOKEN_BYTES  # what the padding cost
 
 
@@ -310,11 +312,12 @@ def test_the_cache_holds_what_the_budget_says_on_smollm2(smol, essay_prompt, met
     assert stats.prompt_lens == [n] and len(out.tokens[0]) == 4 and steps == 3
     entries = stats.layer_entries_after_prefill
     assert len(entries) == 30
-    if method in HEAD_BUDGETS:
-        assert entries == [BUDGET] * 30  # valid entries per head, averaged: exactly the budget
-        assert stats.resident_kv_bytes_after_prefill == BUDGET * TOKEN_BYTES == 5_898_240  # no padding held
-        assert out.resident_kv_bytes_final == (BUDGET + steps) * TOKEN_BYTES
-        assert stats.attended_tokens_mean == pytest.approx(BUDGET + (steps + 1) / 2)
+    if method in HEAD_BUDGETS:  # the authors' allocation rounds each head's budget: a layer within an entry of it
+        assert all(abs(e - BUDGET) <= 1 for e in entries) and sum(entries) != 30 * BUDGET  # (mean over the 3 heads)
+        held = sum(round(3 * e) for e in entries) * TOKEN_BYTES // 90  # what the 3 heads hold, no padding
+        assert stats.resident_kv_bytes_after_prefill == held == pytest.approx(5_898_240, rel=0.01)
+        assert out.resident_kv_bytes_final == held + steps * TOKEN_BYTES
+        assert stats.attended_tokens_mean == pytest.approx(BUDGET + (steps + 1) / 2, abs=1)  # heads' entries differ
     elif method in CHUNKS:
         assert entries == [CHUNKS[method]] * 30
         assert stats.resident_kv_bytes_after_prefill == CHUNKS[method] * TOKEN_BYTES
