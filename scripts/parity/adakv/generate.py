@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
-import json
 import platform
 import sys
 import types
@@ -43,11 +42,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
+from stubs import IdentityRope, Inject, Zero, write_fixture  # noqa: E402
 
 COMMIT = "efe4e2eea0099bf497f0c175ac5440a915d89f83"
 LAYERS, WINDOW, KERNEL = 2, 32, 7
@@ -84,35 +84,6 @@ def sdpa_attention(query_states, key_states, value_states, attention_mask, query
     out = torch.nn.functional.scaled_dot_product_attention(query_states.transpose(1, 2), key_states.transpose(1, 2),
                                                            value_states.transpose(1, 2), is_causal=True)
     return out.transpose(1, 2)
-
-
-class Inject(nn.Module):
-    """A projection returning the seeded ``(T, heads * D)`` rows of the forward's tokens."""
-
-    def __init__(self, rows: torch.Tensor):
-        super().__init__()
-        self.rows = rows
-        self.weight = torch.empty(0, dtype=rows.dtype)  # the code reads q_proj.weight.dtype
-
-    def forward(self, hidden):
-        return self.rows[: hidden.shape[1]].unsqueeze(0)
-
-
-class Zero(nn.Module):
-    def forward(self, hidden, *args, **kwargs):
-        return torch.zeros_like(hidden)
-
-
-class IdentityRope(nn.Module):
-    """``rotary_emb(x, position_ids)`` of transformers 4.44: cos 1 and sin 0, ``(B, q, D)``."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.d = d
-
-    def forward(self, x, position_ids):
-        shape = (*position_ids.shape, self.d)
-        return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)
 
 
 def load_official(path: Path):
@@ -239,8 +210,7 @@ def main():
         "skipped_seeds": skipped,
         "cases": cases,
     }
-    Path(args.out).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
-    print(f"wrote {args.out}: {len(cases)} cases, {Path(args.out).stat().st_size} bytes")
+    write_fixture(args.out, fixture)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
-import json
 import os
 import platform
 import sys
@@ -47,11 +46,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
+from stubs import IdentityRope, Inject, Zero, ZeroHead, write_fixture  # noqa: E402
 
 COMMIT = "5d8472975d286e3da6b52178af39d18904330c0d"
 LAYERS, D = 2, 16
@@ -80,38 +80,6 @@ def stub_modules():
 def zero_attention(query_states, key_states, value_states, *args, **kwargs):
     """``_flash_attention_forward``'s stand-in: the attention output, ``(B, q, Hq, D)``, never reaches the cache."""
     return torch.zeros_like(query_states)
-
-
-class Inject(nn.Module):
-    """A projection returning the next rows of a seeded ``(T, heads * D)`` tensor, one forward after the other."""
-
-    def __init__(self, rows: torch.Tensor):
-        super().__init__()
-        self.rows, self.at = rows, 0
-
-    def forward(self, hidden):
-        q = hidden.shape[1]
-        out = self.rows[self.at : self.at + q].unsqueeze(0)
-        self.at += q
-        return out
-
-
-class Zero(nn.Module):
-    def forward(self, hidden, *args, **kwargs):
-        return torch.zeros_like(hidden)
-
-
-class ZeroHead(nn.Module):
-    def forward(self, hidden):
-        return torch.zeros(*hidden.shape[:-1], 256)
-
-
-class IdentityRope(nn.Module):
-    """``rotary_emb(x, position_ids)`` of transformers 4.51: cos 1 and sin 0, ``(B, q, D)``."""
-
-    def forward(self, x, position_ids):
-        shape = (*position_ids.shape, D)
-        return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)
 
 
 def load_official(path: Path):
@@ -170,8 +138,8 @@ def run_case(official_cls, case):
         attn.o_proj = Zero()
         layer.mlp = Zero()
         key_rows.append({h: {k[i, h].numpy().tobytes(): i for i in range(n)} for h in range(hkv)})
-    model.model.rotary_emb = IdentityRope()
-    model.lm_head = ZeroHead()
+    model.model.rotary_emb = IdentityRope(D)
+    model.lm_head = ZeroHead(256)
 
     base = LAYERS * hkv * m
     keep = LAYERS * hkv * (cap - s)
@@ -247,8 +215,7 @@ def main():
         "skipped_seeds": skipped,
         "cases": cases,
     }
-    Path(args.out).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
-    print(f"wrote {args.out}: {len(cases)} cases, {Path(args.out).stat().st_size} bytes")
+    write_fixture(args.out, fixture)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ seed is used and the skipped seed listed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -40,11 +39,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
+from stubs import IdentityRope, Inject, Zero, write_fixture  # noqa: E402
 
 COMMIT = "d200577a7e52adf130772ca682ea958c2b442601"
 LAYERS, STEPS, WINDOW, KERNEL, RECENT = 2, 2, 32, 7, 32
@@ -60,37 +60,6 @@ CASES = [  # name, seed, query heads, kv heads, head dim, prompt n, budget C, pr
     ("mha_n60_fits", 8, 4, 4, 32, 60, 128, 0.4),  # the prompt fits: channels pruned, no token evicted
     ("gqa_n80_fits", 9, 8, 2, 16, 80, 80, 0.5),  # n == C: the code's SnapKV branch keeps every token
 ]
-
-
-class Inject(nn.Module):
-    """A projection returning the next rows of a seeded ``(T, heads * D)`` tensor, one forward after the other."""
-
-    def __init__(self, rows: torch.Tensor):
-        super().__init__()
-        self.rows, self.at = rows, 0
-
-    def forward(self, hidden):
-        q = hidden.shape[1]
-        out = self.rows[self.at : self.at + q].unsqueeze(0)
-        self.at += q
-        return out
-
-
-class Zero(nn.Module):
-    def forward(self, hidden, *args, **kwargs):
-        return torch.zeros_like(hidden)
-
-
-class IdentityRope(nn.Module):
-    """``rotary_emb(x, position_ids)`` of transformers 4.40: cos 1 and sin 0, ``(B, q, D)``."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.d = d
-
-    def forward(self, x, position_ids):
-        shape = (*position_ids.shape, self.d)
-        return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)
 
 
 class Recorder:
@@ -212,8 +181,7 @@ def main():
         "skipped_seeds": skipped,
         "cases": cases,
     }
-    Path(args.out).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
-    print(f"wrote {args.out}: {len(cases)} cases, {Path(args.out).stat().st_size} bytes")
+    write_fixture(args.out, fixture)
 
 
 if __name__ == "__main__":

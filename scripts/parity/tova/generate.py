@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import platform
 import sys
 from pathlib import Path
@@ -38,7 +37,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
+from stubs import Inject, Zero, ZeroHead, write_fixture  # noqa: E402
 
 COMMIT = "9c7d09bfff64cfc92cfb5f9d7e138cb04866e5a7"
 LAYERS = 2
@@ -55,34 +56,6 @@ CASES = [  # name, seed, query heads, kv heads, head dim, prompt n, cache size C
     ("mha_n30_c33", 9, 4, 4, 16, 30, 33, 8, 0.0),  # the prompt fits: eviction starts at the 4th step
     ("gqa_n50_c4", 10, 8, 4, 16, 50, 4, 8, 0.0),
 ]
-
-
-class Inject(nn.Module):
-    """A projection returning the next rows of a seeded ``(T, heads * D)`` tensor, one forward after the other."""
-
-    def __init__(self, rows: torch.Tensor):
-        super().__init__()
-        self.rows, self.at = rows, 0
-
-    def forward(self, hidden):
-        q = hidden.shape[1]
-        out = self.rows[self.at : self.at + q].unsqueeze(0)
-        self.at += q
-        return out
-
-
-class Zero(nn.Module):
-    def forward(self, hidden, *args, **kwargs):
-        return torch.zeros_like(hidden)
-
-
-class ZeroHead(nn.Module):
-    def __init__(self, vocab):
-        super().__init__()
-        self.vocab = vocab
-
-    def forward(self, hidden):
-        return torch.zeros(*hidden.shape[:-1], self.vocab)
 
 
 class IdentityRope(nn.Module):
@@ -202,8 +175,7 @@ def main():
         "skipped_seeds": skipped,
         "cases": cases,
     }
-    Path(args.out).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
-    print(f"wrote {args.out}: {len(cases)} cases, {Path(args.out).stat().st_size} bytes")
+    write_fixture(args.out, fixture)
 
 
 if __name__ == "__main__":

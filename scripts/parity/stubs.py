@@ -1,0 +1,65 @@
+"""Stand-in modules the parity generators put into an official model (``scripts/parity/<method>/generate.py``): a
+projection that returns seeded rows, a block that returns zeros, an LM head of zeros, a rotary embedding of cos 1 /
+sin 0 (post-RoPE inputs stay as they are), and the fixture's writer. Plain torch, no transformers import: every
+side environment (transformers 4.36 to 4.51) imports it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class Inject(nn.Module):
+    """A projection returning the next rows of a seeded ``(T, heads * D)`` tensor, one forward after the other
+    (``weight``: an empty tensor of the rows' dtype, for code that reads ``q_proj.weight.dtype``)."""
+
+    def __init__(self, rows: torch.Tensor):
+        super().__init__()
+        self.rows, self.at = rows, 0
+        self.weight = torch.empty(0, dtype=rows.dtype)
+
+    def forward(self, hidden):
+        q = hidden.shape[1]
+        out = self.rows[self.at : self.at + q].unsqueeze(0)
+        self.at += q
+        return out
+
+
+class Zero(nn.Module):
+    """An MLP, norm or output projection whose output never matters (every layer's q/k/v is injected)."""
+
+    def forward(self, hidden, *args, **kwargs):
+        return torch.zeros_like(hidden)
+
+
+class ZeroHead(nn.Module):
+    """An LM head of zeros over ``vocab`` tokens."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, hidden):
+        return torch.zeros(*hidden.shape[:-1], self.vocab)
+
+
+class IdentityRope(nn.Module):
+    """``rotary_emb(x, position_ids)`` of transformers 4.38 and later: cos 1 and sin 0, ``(B, q, D)``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.d = d
+
+    def forward(self, x, position_ids):
+        shape = (*position_ids.shape, self.d)
+        return torch.ones(shape, dtype=x.dtype), torch.zeros(shape, dtype=x.dtype)
+
+
+def write_fixture(path: str | Path, fixture: dict) -> None:
+    """The fixture as one line of compact JSON, and what was written."""
+    path = Path(path)
+    path.write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
+    print(f"wrote {path}: {len(fixture['cases'])} cases, {path.stat().st_size} bytes")
