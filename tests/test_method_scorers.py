@@ -230,6 +230,19 @@ def test_the_composed_name_is_in_the_key_and_the_label():
     assert method_label(other.describe()).startswith("chunkkv-snapkv[scorer_fields=")
 
 
+def test_a_nested_method_is_labelled_by_its_own_non_default_fields():
+    """ThinK's key holds ``composed`` and its inner method's resolved fields: at the defaults the label is ``think``;
+    otherwise the inner fields that differ, prefixed (``inner.kernel=7``), and the inner method's name if not SnapKV."""
+    def label(fields):
+        return method_label(build_method({"name": "think", **fields}, Budget.parse(128)).describe())
+
+    assert label({}) == "think"
+    assert label({"inner": {"name": "snapkv", "kernel": 7, "granularity": "query_head"}}) == (
+        "think[inner.granularity=query_head,inner.kernel=7]")
+    assert label({"inner": {"name": "h2o"}, "key_channel_compression_ratio": 0.4}) == (
+        "think[inner.name=h2o,key_channel_compression_ratio=0.4]")
+
+
 def test_hydra_composes_a_wrapper_over_a_scorer():
     from hydra import compose, initialize_config_dir
 

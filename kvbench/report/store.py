@@ -103,7 +103,18 @@ def non_default_fields(method_cfg: dict[str, Any]) -> dict[str, Any]:
     if defaults is None:
         return fields
     fields = {**method_key_omitted(name), **fields}  # a key without such a field ran with its omitted value
-    return {k: v for k, v in fields.items() if k not in defaults or not _same(v, defaults[k])}
+    out: dict[str, Any] = {}
+    for k, v in fields.items():
+        if k == "composed":  # derived from a nested method's name (ThinK's ``think+snapkv``): said by that field
+            continue
+        if isinstance(v, dict) and "name" in v:  # a nested method (ThinK's ``inner``): its own non-default fields
+            default = defaults.get(k)
+            if not (isinstance(default, dict) and default.get("name") == v["name"]):
+                out[f"{k}.name"] = v["name"]
+            out.update({f"{k}.{f}": x for f, x in non_default_fields(v).items()})
+        elif k not in defaults or not _same(v, defaults[k]):
+            out[k] = v
+    return out
 
 
 def _fmt(value: Any) -> str:
