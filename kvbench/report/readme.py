@@ -188,10 +188,10 @@ def _miniature(root: Path) -> tuple[Any, Any, list]:
 
 
 def miniature_summary(root: Path) -> str:
-    from kvbench.report.claims import summary_markdown
+    from kvbench.report.claims import configured_refs, summary_markdown
 
     spec, evidence, _ = _miniature(root)
-    return "\n".join(summary_markdown(evidence, list(spec.get("tasks") or [])))
+    return "\n".join(summary_markdown(evidence, list(spec.get("tasks") or []), configured_refs(spec)))
 
 
 def miniature_verdicts(root: Path) -> str:
