@@ -194,6 +194,10 @@ def test_a_configuration_named_exactly():
     assert "not the method's current default" not in text  # an exactly named configuration is not flagged
     spec["claims"][0]["better"] = "d2o"
     assert "`d2o` = `d2o[allocation=paper_literal]`" in claims_markdown(spec, _evidence(*runs))
+    # a plain name read from another configuration's runs says so in the verdict (the row and the README bullet)
+    stale = _one({"kind": "compare", "budgets": [0.5], "better": "d2o", "than": ["h2o"]}, *runs, tasks=["t1"])
+    assert stale.ran_as == "d2o[allocation=paper_literal]" and stale.notes[0] == "ran as d2o[allocation=paper_literal]"
+    assert official.ran_as == "" and literal.ran_as == "" and pod.ran_as == ""  # default / named / display name
 
 
 def _write_store(root: Path) -> None:

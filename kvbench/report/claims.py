@@ -248,11 +248,24 @@ class Verdict:
     budget: str
     verdict: str
     rows: list[Comparison] = field(default_factory=list)
+    #: the claim's method ran under a configuration that is not its current default (``d2o[allocation=...]``)
+    ran_as: str = ""
 
     @property
     def notes(self) -> list[str]:
-        return [f"{r.compared.split(' vs ')[0]} {r.note}" if " vs " in r.compared else r.note
+        said = [f"{r.compared.split(' vs ')[0]} {r.note}" if " vs " in r.compared else r.note
                 for r in self.rows if r.note]
+        return [f"ran as {self.ran_as}", *said] if self.ran_as else said
+
+
+def _ran_as(evidence: Evidence, tasks: list[str], ref: Ref) -> str:
+    """The configurations a plain name's runs used where they are not the method's current default: a run's
+    ``method_label`` with fields in brackets under the method's own name (``d2o[allocation=variance_softmax,...]``,
+    stored before D2O's default changed). Display names (POD's ``POD-TF[...]``) and exactly named refs: ""."""
+    if "[" in ref[0]:
+        return ""
+    labels = sorted(x for x in evidence.labels(tasks, ref) if x.partition("[")[0] == ref[0] and "[" in x)
+    return ", ".join(labels)
 
 
 def _n(data: Strata, tasks: list[str]) -> str:
@@ -333,7 +346,7 @@ def _compare(evidence: Evidence, tasks: list[str], claim: dict[str, Any], budget
             f"{_ci(means[0], low[0], high[0])} vs {_ci(means[j], low[j], high[j])}",
             _ci(delta, d_low, d_high, sign=True), _p(p), _n(data, used), f"{_mib(kv_better)} vs {_mib(kv_other)}",
             verdict, _bytes_note(kv_better, kv_other, other[0]), f"vs {other[0]} {_num(delta, sign=True)} (p {_p(p)})"))
-    return Verdict(str(budget), _combine([r.verdict for r in rows]), rows)
+    return Verdict(str(budget), _combine([r.verdict for r in rows]), rows, _ran_as(evidence, used, better))
 
 
 def _near_full(evidence: Evidence, tasks: list[str], ref: Ref, at_least: float, budget: int) -> Verdict:
@@ -351,7 +364,7 @@ def _near_full(evidence: Evidence, tasks: list[str], ref: Ref, at_least: float, 
                      _ci(mean - at_least, low - at_least, high - at_least, sign=True), _p(p), _n(data, used),
                      f"{_mib(kv)} vs FullKV {_mib(kv_full)}", verdict, note,
                      f"{_num(mean)} [{_num(low)}, {_num(high)}] vs {at_least:g} (p {_p(p)})")
-    return Verdict(str(budget), verdict, [row])
+    return Verdict(str(budget), verdict, [row], _ran_as(evidence, used, ref))
 
 
 def _monotone(evidence: Evidence, tasks: list[str], method: str, budgets: list[int]) -> Verdict:
@@ -383,7 +396,7 @@ def _monotone(evidence: Evidence, tasks: list[str], method: str, budgets: list[i
     summary = (f"{budgets[-1]} vs {budgets[0]} {_num(total, sign=True)} (p {_p(total_p)}); worst step "
                f"{_num(steps[worst][1], sign=True)} (p {_p(step_p[worst])})")
     return Verdict(where, verdict, [Comparison(name, values, delta, p_text, _n(data, used), kv, verdict, "",
-                                               summary)])
+                                               summary)], _ran_as(evidence, used, refs[0]))
 
 
 def _fullkv_solves(claim: dict[str, Any], evidence: Evidence, tasks: list[str]) -> list[Verdict]:
