@@ -155,3 +155,34 @@ def test_refuses_without_rotary_frequencies_and_bad_budgets():
         build_method({"name": "lminfinite"}, Budget.parse(10))
     with pytest.raises(ConfigError, match="n_global=0"):
         build_method({"name": "lminfinite", "n_global": 0}, Budget.parse(64))
+
+
+@pytest.mark.parametrize("passes", [False, True])
+def test_blocked_form_equals_the_chunk_loop(monkeypatch, passes):
+    """``few_kernels`` (a GPU's form: every block of queries in one batched call) gives the chunk loop's output:
+    several blocks, a left-padded row, rows with different windows, a window wider than a block; in one pass or, with
+    a tiny ``PASS_BYTES``, in several."""
+    import kvbench.methods.lminfinite as lmi
+
+    if passes:
+        monkeypatch.setattr(lmi, "PASS_BYTES", 1)
+    n, pad = 300, 37
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 4, n, D, generator=g), torch.randn(2, 2, n, D, generator=g), torch.randn(2, 2, n, D,
+                                                                                                     generator=g)
+    for cap in ([14, 14], [100, 40], [150, 150]):
+        layer = make_layer(k.clone(), v.clone())
+        valid = torch.ones(2, n, dtype=torch.bool)
+        valid[1, :pad] = False
+        layer.positions[1, :, pad:] = torch.arange(n - pad)
+        layer.positions[1, :, :pad] = 0
+        layer.set_valid(valid.view(2, 1, n).expand(2, 2, n).clone())
+        outs = []
+        for few in (False, True):
+            ctx = prefill_ctx(q, layer, torch.tensor(cap), key_valid=valid)
+            ctx.rope_inv_freq = INV_FREQ.float()
+            ctx.few_kernels = few
+            outs.append(LMInfinite(n_global=3).prefill_attend(layer, ctx))
+        assert outs[0].shape == outs[1].shape == (2, n, 4, D)
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(outs[1][1, pad:], outs[0][1, pad:], rtol=1e-5, atol=1e-6)

@@ -39,7 +39,7 @@ def _prefill_counts(model, name, n, budget=128) -> tuple[int, int]:
     return kernels.count, reads.count
 
 
-@pytest.mark.parametrize("method", ["kvmerger", "cam", "h2o", "d2o"])
+@pytest.mark.parametrize("method", ["kvmerger", "cam", "h2o", "d2o", "lminfinite"])
 def test_prefill_kernels_do_not_grow_with_the_prompt(toy_llama, method):
     """The same kernels at 1k and 4k tokens (budget 128), and as many host reads: the scoring passes are one batched
     pass whatever the prompt (their byte limits, ``PASS_BYTES`` & co., are far above a 4k prompt's)."""

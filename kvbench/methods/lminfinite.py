@@ -53,6 +53,52 @@ def lambda_attention(q, q_pos, glob, local, window, inv_freq, scaling):
             + torch.einsum("bhgqk,bhkd->bhgqd", probs[..., n_glob:], lv))
 
 
+#: logits of one pass of the blocked prompt attention, in bytes (float32): its kernels do not grow with the prompt
+#: until the prompt's logits exceed this
+PASS_BYTES = 1 << 30
+
+
+def _fold(x: torch.Tensor, at: int, m0: int, m: int) -> torch.Tensor:
+    """The blocks ``[m0, m0 + m)`` of dim ``at`` folded into the batch (dim 0): ``(B m, ...)``."""
+    return x.narrow(at, m0, m).movedim(at, 1).flatten(0, 1)
+
+
+def _each(x: torch.Tensor, m: int) -> torch.Tensor:
+    """One copy of a per-row tensor ``(B, ...)`` per block: ``(B m, ...)``."""
+    return x.unsqueeze(1).expand(x.shape[0], m, *x.shape[1:]).flatten(0, 1)
+
+
+def _blocked(qg, pos, layer, valid, glob, window, inv_freq, scaling, span, rows) -> torch.Tensor:
+    """The prompt's Λ attention (:func:`lambda_attention`) with every block of ``rows`` queries in one batched call
+    (``PrefillContext.few_kernels``, a GPU's form): block ``m`` sees the keys ``[m rows - span, (m + 1) rows)`` (an
+    ``unfold`` of the keys, padded at both ends with invalid entries), the blocks folded into the batch. Passes of
+    at most ``PASS_BYTES`` of logits. Returns ``(B, n, Hq, D)``."""
+    b, hkv, g, n, d = qg.shape
+    nb, width = -(-n // rows), span + rows
+    tail = nb * rows - n
+    pad = torch.nn.functional.pad
+
+    def blocks(x: torch.Tensor, dim: int) -> torch.Tensor:  # (..., n + span + tail, ...) -> (..., nb, width, ...)
+        return x.unfold(dim, width, rows).movedim(-1, dim + 1)
+
+    keys = blocks(pad(layer.keys, (0, 0, span, tail)), 2)  # (B, Hkv, nb, width, D)
+    values = blocks(pad(layer.values, (0, 0, span, tail)), 2)
+    kpos = blocks(pad(layer.positions, (span, tail)), 2)  # (B, Hkv, nb, width)
+    kok = blocks(pad(valid, (span, tail), value=False), 1).unsqueeze(1).expand(b, hkv, nb, width)
+    qb = pad(qg, (0, 0, 0, tail)).view(b, hkv, g, nb, rows, d)
+    qpos = pad(pos, (0, tail)).view(b, nb, rows)
+    step = max(1, PASS_BYTES // (b * hkv * g * rows * (width + glob[0].shape[2]) * 4))
+    outs = []
+    for m0 in range(0, nb, step):
+        m = min(nb, m0 + step) - m0
+        out = lambda_attention(_fold(qb, 3, m0, m), _fold(qpos, 1, m0, m), tuple(_each(x, m) for x in glob),
+                               tuple(_fold(x, at, m0, m) for x, at in ((keys, 2), (values, 2), (kpos, 2), (kok, 2))),
+                               _each(window, m), inv_freq, scaling)  # (B m, Hkv, g, rows, D)
+        outs.append(out.unflatten(0, (b, m)))
+    out = torch.cat(outs, dim=1).permute(0, 2, 3, 1, 4, 5).reshape(b, hkv * g, nb * rows, d)[:, :, :n]
+    return out.transpose(1, 2).contiguous()
+
+
 @dataclass
 class LMInfinite(Method):
     """Λ-shaped attention in prefill and decode, and a cache that keeps only what the Λ mask can still reach.
@@ -69,7 +115,7 @@ class LMInfinite(Method):
     n_local`` keys. Middle tokens are evicted for real: they are never attended again. ``n_global = 10`` is the
     official README's drop-in ``convert_llama_model(model, 4096, 10)`` (its scripts use 100 and call 10–100 alike;
     POD uses 16). Prompt attention is computed in query chunks of ``chunk`` rows (keys: the globals and the rows'
-    window), never as an n x n matrix.
+    window), never as an n x n matrix; with ``PrefillContext.few_kernels`` (on CUDA) all chunks in one batched call.
     """
 
     name: ClassVar[str] = "lminfinite"
@@ -127,6 +173,9 @@ class LMInfinite(Method):
                 torch.gather(pos, 1, g_idx).unsqueeze(1).expand(expand), g_ok.unsqueeze(1).expand(expand))
         span = max(windows) - 1
         rows = max(64, min(self.chunk, span + 1))  # about one window of queries: few masked keys per row
+        if ctx.few_kernels:
+            return _blocked(qg, pos, layer, valid, glob, window, inv_freq, ctx.scaling, span, rows).to(
+                layer.values.dtype)
         outs = []
         for start in range(0, n, rows):
             stop = min(n, start + rows)
