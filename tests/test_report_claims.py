@@ -153,6 +153,53 @@ def test_templated_labels_pod_window():
     assert row.verdict == "held" and row.rows[0].compared == "pod vs a"
 
 
+def test_a_configuration_named_exactly():
+    """``d2o`` is the first run in load order (the default sorts first); ``d2o[allocation=paper_literal]`` is that
+    configuration's run, in comparisons, ratio budgets and the summary; the plain name never falls back to it."""
+    runs = [_run("t1", "fullkv", "full", [1.0] * N, kv=32 * MIB),
+            _run("t1", "d2o", "64", [1.0] * N),
+            _run("t1", "d2o", "64", [0.0] * N, label="d2o[allocation=paper_literal]"),
+            _run("t1", "d2o", "0.5", [1.0] * N, kv=16 * MIB, label="d2o[allocation=paper_literal]"),
+            _run("t1", "h2o", "64", [0.5] * N), _run("t1", "h2o", "0.5", [0.0] * N, kv=16 * MIB),
+            _run("t1", "pod", "window16+48", [1.0] * N, kv=22 * MIB, label="POD-TF[n_r=48]"),
+            _run("t1", "streamingllm", "0.7", [0.0] * N, kv=22 * MIB)]
+    official = _one({"kind": "compare", "budgets": [64], "better": "d2o", "than": ["h2o"]}, *runs, tasks=["t1"])
+    literal = _one({"kind": "compare", "budgets": [64], "better": "d2o[allocation=paper_literal]", "than": ["h2o"]},
+                   *runs, tasks=["t1"])
+    assert official.verdict == "held" and literal.verdict == "did not hold"
+    assert literal.rows[0].compared == "d2o[allocation=paper_literal] vs h2o"
+    ratio = _one({"kind": "compare", "budgets": [0.5], "better": "d2o[allocation=paper_literal]", "than": ["h2o"]},
+                 *runs, tasks=["t1"])
+    assert ratio.budget == "0.5" and ratio.verdict == "held" and ratio.rows[0].kv == "16.0 vs 16.0"
+    # where only another configuration ran, the plain name is that run (the first in load order) and the report
+    # names it under the table; the exact name of a configuration that did not run is "not run"
+    assert _one({"kind": "compare", "budgets": [0.5], "better": "d2o", "than": ["h2o"]}, *runs,
+                tasks=["t1"]).verdict == "held"
+    assert _one({"kind": "compare", "budgets": [0.5], "better": "d2o[allocation=uniform]", "than": ["h2o"]}, *runs,
+                tasks=["t1"]).verdict == "not run"
+    # POD at StreamingLLM's bytes: a ratio-budget rival named by its label; POD's display name does not matter
+    pod = _one({"kind": "compare", "budgets": [64], "better": "pod@window16+{r}", "than": ["streamingllm@0.7"]},
+               *runs, tasks=["t1"])
+    assert pod.verdict == "held" and pod.rows[0].kv == "22.0 vs 22.0" and not pod.rows[0].note
+    spec = {"model": "m", "tasks": ["t1"], "claims": [
+        {"paper": "D2O", "claim": "x", "kind": "compare", "budgets": [64, 0.5],
+         "better": "d2o[allocation=paper_literal]", "than": ["h2o"]},
+        {"paper": "all", "claim": "y", "kind": "monotone", "budgets": [64, 0.5],
+         "methods": ["d2o[allocation=paper_literal]"]}]}
+    text = claims_markdown(spec, _evidence(*runs))
+    assert "| d2o[allocation=paper_literal] | 0.0 [0.0, 0.0] · 4.0 | 100.0 [100.0, 100.0] · 16.0 |  |" in text
+    assert "| d2o | 100.0 [100.0, 100.0] · 4.0 |  |  |" in text
+    assert "| method | 64 | 0.5 | 0.7 |" in text and "Budgets below 1 are ratios of each prompt." in text
+    assert "| streamingllm |  |  | 0.0 [0.0, 0.0] · 22.0 |" in text
+    assert "not the method's current default" not in text  # an exactly named configuration is not flagged
+    spec["claims"][0]["better"] = "d2o"
+    assert "`d2o` = `d2o[allocation=paper_literal]`" in claims_markdown(spec, _evidence(*runs))
+    # a plain name read from another configuration's runs says so in the verdict (the row and the README bullet)
+    stale = _one({"kind": "compare", "budgets": [0.5], "better": "d2o", "than": ["h2o"]}, *runs, tasks=["t1"])
+    assert stale.ran_as == "d2o[allocation=paper_literal]" and stale.notes[0] == "ran as d2o[allocation=paper_literal]"
+    assert official.ran_as == "" and literal.ran_as == "" and pod.ran_as == ""  # default / named / display name
+
+
 def _write_store(root: Path) -> None:
     for run in _base():
         path = root / "runs" / "m" / run["task"] / run["method"] / run["budget"] / "abc"

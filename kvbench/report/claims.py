@@ -54,7 +54,11 @@ Claim kinds (``kind``) and their verdicts:
   precondition, not a paper's result: without it no method can be compared on the task).
 
 A method is ``name`` or ``name@label`` where ``label`` is a budget label with ``{b}`` (the budget) and ``{r}``
-(``b - 16``, POD's recent window) substituted; a plain name means ``name@{b}``.
+(``b - 16``, POD's recent window) substituted; a plain name means ``name@{b}``. A plain ``name`` is the first of its
+runs in load order (the method's default configuration where it ran); ``name[field=value,...]`` names one
+configuration exactly: the method's name plus the fields that differ from its defaults, sorted, as the run's
+``method_label`` writes them (``d2o[allocation=paper_literal]``, ``streamingllm@0.7``,
+``d2o[allocation=paper_literal]@0.5``). Budgets may be token budgets (``128``) or ratios of the prompt (``0.5``).
 
 Resident KV is a run's ``resident_kv_bytes_mean`` (after prefill, mean over samples), or its
 ``resident_kv_bytes_final_mean`` where the task reports one (PG-19 streams the text through decoding: its prefill is
@@ -112,10 +116,14 @@ class Evidence:
     def __init__(self, runs: pd.DataFrame, model: str, results_dir: str | Path | None = None):
         self.model = model
         self.runs: dict[tuple[str, str, str], _Run] = {}
+        #: by (task, ``name[field=value,...]``, budget): the runs of a non-default configuration, named exactly
+        self.configured: dict[tuple[str, str, str], _Run] = {}
         for row in runs[runs["model"] == model].to_dict("records"):
             key = (str(row["task"]), str(row["method"]), str(row["budget"]))
-            if key in self.runs:  # several configurations: the first in load order (the default sorts first)
-                continue
+            config = configured_name(str(row["method"]), str(row.get("method_label", row["method"])))
+            exact = (key[0], config, key[2])
+            if key in self.runs and (config == key[1] or exact in self.configured):
+                continue  # several runs of one configuration: the first in load order
             recs = row["records"] if "records" in row else store.records(results_dir or ".", row["path"])
             samples = {}
             for rec in recs:
@@ -124,8 +132,11 @@ class Evidence:
                     stratum = str((rec.get("meta") or {}).get("dataset") or "")
                     samples[str(rec["id"])] = (stratum, float(score))
             scores = row.get("scores") if isinstance(row.get("scores"), dict) else {}
-            self.runs[key] = _Run(str(row.get("method_label", row["method"])), float(row["score"]),
-                                  resident_kv_bytes(scores), samples)
+            run = _Run(str(row.get("method_label", row["method"])), float(row["score"]), resident_kv_bytes(scores),
+                       samples)
+            self.runs.setdefault(key, run)  # several configurations: the first in load order (the default sorts first)
+            if config != key[1]:
+                self.configured.setdefault(exact, run)
         self.full: dict[str, float] = {}
         for (task, method, _), run in self.runs.items():
             if method == "fullkv" and task not in self.full:
@@ -133,8 +144,13 @@ class Evidence:
                 if mean > 0:
                     self.full[task] = mean
 
+    def run(self, task: str, ref: Ref) -> _Run | None:
+        """``ref``'s run on ``task``: a ``name[...]`` ref is that configuration's, a plain name the first run."""
+        return (self.configured if "[" in ref[0] else self.runs).get((task, *ref))
+
     def has(self, task: str, ref: Ref) -> bool:
-        return (task, *ref) in self.runs and bool(self.runs[(task, *ref)].samples)
+        run = self.run(task, ref)
+        return run is not None and bool(run.samples)
 
     def usable(self, tasks: list[str], refs: list[Ref]) -> list[str]:
         """The tasks where FullKV has a positive score and every ref has a run."""
@@ -144,7 +160,7 @@ class Evidence:
         """% of FullKV per sample for every ref, paired on the sample ids, one stratum per (task, dataset)."""
         values, weights = [], []
         for task in tasks:
-            runs = [self.runs[(task, *r)] for r in refs]
+            runs = [self.run(task, r) for r in refs]
             ids = sorted(set.intersection(*(set(run.samples) for run in runs)))
             by_stratum: dict[str, list[str]] = {}
             for i in ids:
@@ -156,12 +172,19 @@ class Evidence:
         return Strata.of(values, weights)
 
     def kv(self, tasks: list[str], ref: Ref) -> float | None:
-        values = [self.runs[(t, *ref)].kv for t in tasks if (t, *ref) in self.runs]
-        values = [v for v in values if v is not None]
+        runs = [self.run(t, ref) for t in tasks]
+        values = [run.kv for run in runs if run is not None and run.kv is not None]
         return sum(values) / len(values) if values else None
 
     def labels(self, tasks: list[str], ref: Ref) -> set[str]:
-        return {self.runs[(t, *ref)].label for t in tasks if (t, *ref) in self.runs}
+        return {run.label for run in (self.run(t, ref) for t in tasks) if run is not None}
+
+
+def configured_name(method: str, label: str) -> str:
+    """``d2o[allocation=paper_literal]``: the method's name plus the non-default fields of its ``method_label``
+    (whose name part can be a display name: POD's is ``POD-TF``); the plain name for a default configuration."""
+    _, bracket, fields = label.partition("[")
+    return f"{method}[{fields}" if bracket else method
 
 
 def _stratified_mean(samples: dict[str, tuple[str, float]]) -> float:
@@ -225,11 +248,24 @@ class Verdict:
     budget: str
     verdict: str
     rows: list[Comparison] = field(default_factory=list)
+    #: the claim's method ran under a configuration that is not its current default (``d2o[allocation=...]``)
+    ran_as: str = ""
 
     @property
     def notes(self) -> list[str]:
-        return [f"{r.compared.split(' vs ')[0]} {r.note}" if " vs " in r.compared else r.note
+        said = [f"{r.compared.split(' vs ')[0]} {r.note}" if " vs " in r.compared else r.note
                 for r in self.rows if r.note]
+        return [f"ran as {self.ran_as}", *said] if self.ran_as else said
+
+
+def _ran_as(evidence: Evidence, tasks: list[str], ref: Ref) -> str:
+    """The configurations a plain name's runs used where they are not the method's current default: a run's
+    ``method_label`` with fields in brackets under the method's own name (``d2o[allocation=variance_softmax,...]``,
+    stored before D2O's default changed). Display names (POD's ``POD-TF[...]``) and exactly named refs: ""."""
+    if "[" in ref[0]:
+        return ""
+    labels = sorted(x for x in evidence.labels(tasks, ref) if x.partition("[")[0] == ref[0] and "[" in x)
+    return ", ".join(labels)
 
 
 def _n(data: Strata, tasks: list[str]) -> str:
@@ -310,7 +346,7 @@ def _compare(evidence: Evidence, tasks: list[str], claim: dict[str, Any], budget
             f"{_ci(means[0], low[0], high[0])} vs {_ci(means[j], low[j], high[j])}",
             _ci(delta, d_low, d_high, sign=True), _p(p), _n(data, used), f"{_mib(kv_better)} vs {_mib(kv_other)}",
             verdict, _bytes_note(kv_better, kv_other, other[0]), f"vs {other[0]} {_num(delta, sign=True)} (p {_p(p)})"))
-    return Verdict(str(budget), _combine([r.verdict for r in rows]), rows)
+    return Verdict(str(budget), _combine([r.verdict for r in rows]), rows, _ran_as(evidence, used, better))
 
 
 def _near_full(evidence: Evidence, tasks: list[str], ref: Ref, at_least: float, budget: int) -> Verdict:
@@ -328,7 +364,7 @@ def _near_full(evidence: Evidence, tasks: list[str], ref: Ref, at_least: float, 
                      _ci(mean - at_least, low - at_least, high - at_least, sign=True), _p(p), _n(data, used),
                      f"{_mib(kv)} vs FullKV {_mib(kv_full)}", verdict, note,
                      f"{_num(mean)} [{_num(low)}, {_num(high)}] vs {at_least:g} (p {_p(p)})")
-    return Verdict(str(budget), verdict, [row])
+    return Verdict(str(budget), verdict, [row], _ran_as(evidence, used, ref))
 
 
 def _monotone(evidence: Evidence, tasks: list[str], method: str, budgets: list[int]) -> Verdict:
@@ -360,7 +396,7 @@ def _monotone(evidence: Evidence, tasks: list[str], method: str, budgets: list[i
     summary = (f"{budgets[-1]} vs {budgets[0]} {_num(total, sign=True)} (p {_p(total_p)}); worst step "
                f"{_num(steps[worst][1], sign=True)} (p {_p(step_p[worst])})")
     return Verdict(where, verdict, [Comparison(name, values, delta, p_text, _n(data, used), kv, verdict, "",
-                                               summary)])
+                                               summary)], _ran_as(evidence, used, refs[0]))
 
 
 def _fullkv_solves(claim: dict[str, Any], evidence: Evidence, tasks: list[str]) -> list[Verdict]:
@@ -385,20 +421,41 @@ def _tokens(budget: str) -> int | None:
     return int(budget) if budget.isdigit() else None
 
 
-def summary_markdown(evidence: Evidence, tasks: list[str]) -> list[str]:
-    """Method x token budget: % of FullKV over ``tasks`` with its 95 % interval and the resident KV (MiB), where the
-    method ran on all of them."""
-    cells: dict[tuple[str, int], list[tuple[str, str]]] = {}
-    for task, method, budget in evidence.runs:
-        tokens = _tokens(budget)
-        if task in tasks and tokens is not None and method != "fullkv":
-            cells.setdefault((method, tokens), []).append((task, budget))
+def _column(budget: str) -> tuple[int, float] | None:
+    """A summary column: token budgets (POD's window as tokens) first, then ratios of the prompt; ``full``: None."""
+    tokens = _tokens(budget)
+    if tokens is not None:
+        return (0, float(tokens))
+    try:
+        ratio = float(budget)
+    except ValueError:
+        return None
+    return (1, ratio) if 0 < ratio < 1 else None
+
+
+def _header(column: tuple[int, float]) -> str:
+    return str(int(column[1])) if column[0] == 0 else f"{column[1]:g}"
+
+
+def summary_markdown(evidence: Evidence, tasks: list[str], configured: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Method x budget (token budgets, then ratios of the prompt where any ran): % of FullKV over ``tasks`` with its
+    95 % interval and the resident KV (MiB), where the method ran on all of them. ``configured``: exactly named
+    configurations (``d2o[allocation=paper_literal]``) that get rows of their own beside their method's."""
+    cells: dict[tuple[str, tuple[int, float]], list[tuple[str, str]]] = {}
+    # a plain name's cell is its first run's unless that run is a configuration with a row of its own
+    named = [key for key, run in evidence.runs.items() if configured_name(key[1], run.label) not in configured]
+    named += [key for key in evidence.configured if key[1] in configured]
+    for task, method, budget in named:
+        column = _column(budget)
+        if task in tasks and column is not None and method != "fullkv":
+            cells.setdefault((method, column), []).append((task, budget))
     budgets = sorted({b for _, b in cells})
     methods = sorted({m for m, _ in cells})
     used_all = [t for t in tasks if t in evidence.full]
+    ratios = " Budgets below 1 are ratios of each prompt." if any(b[0] == 1 for b in budgets) else ""
     lines = [f"Mean % of FullKV over {', '.join(tasks)} [95 % bootstrap interval], and resident KV in MiB (POD: "
-             f"window = budget; FullKV keeps {_mib(evidence.kv(used_all, ('fullkv', 'full')))} MiB):", "",
-             "| method | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+             f"window = budget; FullKV keeps {_mib(evidence.kv(used_all, ('fullkv', 'full')))} MiB):{ratios}", "",
+             "| method | " + " | ".join(_header(b) for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for method in methods:
         row = []
         for b in budgets:
@@ -413,6 +470,18 @@ def summary_markdown(evidence: Evidence, tasks: list[str]) -> list[str]:
                        f"{_mib(evidence.kv(used_all, ref))}")
         lines.append(f"| {method} | " + " | ".join(row) + " |")
     return lines + [""]
+
+
+def configured_refs(spec: dict[str, Any]) -> list[str]:
+    """The exactly named configurations (``name[...]``) a claims file compares, in order of appearance."""
+    out: list[str] = []
+    for claim in spec.get("claims", []):
+        names = [claim.get("better"), claim.get("method"), *(claim.get("than") or []), *(claim.get("methods") or [])]
+        for name in filter(None, names):
+            base = str(name).partition("@")[0]
+            if "[" in base and base not in out:
+                out.append(base)
+    return out
 
 
 def evaluate_all(spec: dict[str, Any], evidence: Evidence) -> list[tuple[dict[str, Any], list[Verdict]]]:
@@ -453,6 +522,8 @@ def _configurations(spec: dict[str, Any], evidence: Evidence) -> list[str]:
         for name in filter(None, names):
             for b in claim.get("budgets") or []:
                 ref = _ref(name, b)
+                if "[" in ref[0]:  # a configuration named exactly
+                    continue
                 for label in evidence.labels(list(claim.get("tasks") or tasks), ref):
                     if label != ref[0] and "[" in label:
                         seen.setdefault(ref[0], set()).add(label)
@@ -472,7 +543,7 @@ def claims_markdown(spec: dict[str, Any], evidence: Evidence) -> str:
         "the bootstrap interval against the threshold. Verdicts at the 5 % level: **held**, **did not hold**, "
         "**inconclusive** (the data cannot tell); the rules per claim kind are in `kvbench/report/claims.py`. "
         "Generated by `python -m kvbench.report all` from `claims.yaml`.", "",
-        *summary_markdown(evidence, tasks),
+        *summary_markdown(evidence, tasks, configured_refs(spec)),
         "### Verdicts", "",
         *verdicts_markdown(results), "",
         "### Comparisons", "",
@@ -503,5 +574,5 @@ def write_claims(results: Path, runs: pd.DataFrame, out: Path) -> Path | None:
 
 
 __all__ = ["KINDS", "VERDICTS", "Comparison", "Evidence", "Verdict", "claims_markdown", "comparisons_markdown",
-           "evaluate", "evaluate_all", "load_claims", "resident_kv_bytes", "summary_markdown", "verdicts_markdown",
-           "write_claims"]
+           "configured_name", "configured_refs", "evaluate", "evaluate_all", "load_claims", "resident_kv_bytes",
+           "summary_markdown", "verdicts_markdown", "write_claims"]

@@ -188,10 +188,10 @@ def _miniature(root: Path) -> tuple[Any, Any, list]:
 
 
 def miniature_summary(root: Path) -> str:
-    from kvbench.report.claims import summary_markdown
+    from kvbench.report.claims import configured_refs, summary_markdown
 
     spec, evidence, _ = _miniature(root)
-    return "\n".join(summary_markdown(evidence, list(spec.get("tasks") or [])))
+    return "\n".join(summary_markdown(evidence, list(spec.get("tasks") or []), configured_refs(spec)))
 
 
 def miniature_verdicts(root: Path) -> str:
@@ -212,6 +212,10 @@ def miniature_claims(root: Path) -> str:
                              for k, m in sorted(by.items(), key=lambda kv: -len(kv[1])))
         else:
             said = ", ".join(f"{v.budget}: {v.verdict}" for v in verdicts)
+        ran_as = sorted({v.ran_as for v in verdicts if v.ran_as})
+        if ran_as:  # stored before the method's default changed: say which configuration the verdicts are about
+            said += " (" + "; ".join(f"{x.partition('[')[0]}'s stored runs are {x}, not its current default"
+                                     for x in ran_as) + ")"
         lines.append(f"* **{claim['paper']}**, {claim['claim']}: {said}.")
     return "\n".join(lines) + "\n"
 
