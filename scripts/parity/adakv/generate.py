@@ -35,19 +35,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
-import platform
 import sys
 import types
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
-from stubs import IdentityRope, Inject, Zero, write_fixture  # noqa: E402
+from stubs import IdentityRope, Inject, Zero, golden_fixture, run_with_margin, write_fixture  # noqa: E402
 
 COMMIT = "efe4e2eea0099bf497f0c175ac5440a915d89f83"
 LAYERS, WINDOW, KERNEL = 2, 32, 7
@@ -185,32 +183,20 @@ def main():
 
     assert transformers.__version__ == "4.44.2", transformers.__version__
     official = load_official(Path(args.official).resolve())
-    cases, skipped = [], []
-    for case in CASES:
-        out = run_case(official, case)
-        while out["min_margin"] <= MARGIN:
-            skipped.append(case[1])
-            case = (case[0], case[1] + 1000, *case[2:])
-            out = run_case(official, case)
+    cases, skipped = run_with_margin(lambda case: run_case(official, case), CASES,
+                                     lambda out: out["min_margin"] > MARGIN)
+    for out in cases:
         out["min_margin"] = None if out["min_margin"] == float("inf") else float(f"{out['min_margin']:.3g}")
-        cases.append(out)
-        print(case[0], "margin", out["min_margin"], "budgets", out["per_layer"][0]["budgets"])
-    fixture = {
-        "what": "golden fixture from the official AdaKV code; see scripts/parity/README.md",
-        "official": {"repo": "FFY0/AdaKV", "commit": COMMIT, "date": "2025-09-25",
-                     "files": ["adaptive_snapkv/monkeypatch/snapkv_utils.py",
-                               "adaptive_snapkv/monkeypatch/adaptive_llama_hijack.py",
-                               "adaptive_snapkv/monkeypatch/monkeypatch.py"]},
-        "settings": {"window_size": WINDOW, "kernel_size": KERNEL, "pooling": "maxpool", "gqa_func": "mean"},
-        "stubbed": "flash_attn (a module whose kernels raise; never called at prefill); _flash_attention_forward "
-                   "(the prompt's attention output) by causal SDPA",
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "numpy": np.__version__},
-        "tolerance": {"scores_rtol": 1e-5, "scores_atol": 1e-7, "margin": MARGIN},
-        "skipped_seeds": skipped,
-        "cases": cases,
-    }
-    write_fixture(args.out, fixture)
+        print(out["name"], "margin", out["min_margin"], "budgets", out["per_layer"][0]["budgets"])
+    write_fixture(args.out, golden_fixture(
+        "golden fixture from the official AdaKV code; see scripts/parity/README.md",
+        {"repo": "FFY0/AdaKV", "commit": COMMIT, "date": "2025-09-25",
+         "files": [f"adaptive_snapkv/monkeypatch/{name}.py"
+                   for name in ("snapkv_utils", "adaptive_llama_hijack", "monkeypatch")]},
+        {"scores_rtol": 1e-5, "scores_atol": 1e-7, "margin": MARGIN}, skipped, cases,
+        settings={"window_size": WINDOW, "kernel_size": KERNEL, "pooling": "maxpool", "gqa_func": "mean"},
+        stubbed="flash_attn (a module whose kernels raise; never called at prefill); _flash_attention_forward "
+                "(the prompt's attention output) by causal SDPA"))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import os
-import platform
 import sys
 import types
 from pathlib import Path
@@ -51,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
-from stubs import IdentityRope, Inject, Zero, ZeroHead, write_fixture  # noqa: E402
+from stubs import IdentityRope, Inject, Zero, ZeroHead, golden_fixture, run_with_margin, write_fixture  # noqa: E402
 
 COMMIT = "5d8472975d286e3da6b52178af39d18904330c0d"
 LAYERS, D = 2, 16
@@ -191,31 +190,20 @@ def main():
 
     assert transformers.__version__ == "4.51.3", transformers.__version__
     official_cls = load_official(Path(args.official).resolve())
-    cases, skipped = [], []
-    for case in CASES:
-        out = run_case(official_cls, case)
-        while out["min_margin"] <= MARGIN:
-            skipped.append(case[1])
-            case = (case[0], case[1] + 1000, *case[2:])
-            out = run_case(official_cls, case)
+    cases, skipped = run_with_margin(lambda case: run_case(official_cls, case), CASES,
+                                     lambda out: out["min_margin"] > MARGIN)
+    for out in cases:
         out["min_margin"] = float(f"{out['min_margin']:.3g}")
-        cases.append(out)
-        print(case[0], "S", out["sys_len"], "chunks", out["chunks"], "margin", out["min_margin"])
-    fixture = {
-        "what": "golden fixture from the official KVzip code; see scripts/parity/README.md",
-        "official": {"repo": "snu-mllab/KVzip", "commit": COMMIT, "date": "2026-02-11",
-                     "files": ["model/wrapper.py", "attention/score.py", "attention/kvcache.py", "attention/attn.py",
-                               "model/template.py", "model/monkeypatch.py"]},
-        "stubbed": "flash_attn and tiny_api_cuda (modules whose kernels raise; not called before decoding); "
-                   "_flash_attention_forward returns zeros (the output never reaches the cache); ModelKVzip.__init__ "
-                   "(no hub: the tiny model, kv_type evict, the llama3.1 template) and encode (bytes, no .cuda())",
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "numpy": np.__version__},
-        "tolerance": {"scores_atol": 1e-6, "score_sums_rtol": 1e-5, "margin": MARGIN},
-        "skipped_seeds": skipped,
-        "cases": cases,
-    }
-    write_fixture(args.out, fixture)
+        print(out["name"], "S", out["sys_len"], "chunks", out["chunks"], "margin", out["min_margin"])
+    write_fixture(args.out, golden_fixture(
+        "golden fixture from the official KVzip code; see scripts/parity/README.md",
+        {"repo": "snu-mllab/KVzip", "commit": COMMIT, "date": "2026-02-11",
+         "files": ["model/wrapper.py", "attention/score.py", "attention/kvcache.py", "attention/attn.py",
+                   "model/template.py", "model/monkeypatch.py"]},
+        {"scores_atol": 1e-6, "score_sums_rtol": 1e-5, "margin": MARGIN}, skipped, cases,
+        stubbed="flash_attn and tiny_api_cuda (modules whose kernels raise; not called before decoding); "
+                "_flash_attention_forward returns zeros (the output never reaches the cache); ModelKVzip.__init__ "
+                "(no hub: the tiny model, kv_type evict, the llama3.1 template) and encode (bytes, no .cuda())"))
 
 
 if __name__ == "__main__":

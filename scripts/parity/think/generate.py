@@ -33,18 +33,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
-from stubs import IdentityRope, Inject, Zero, write_fixture  # noqa: E402
+from stubs import IdentityRope, Inject, Zero, golden_fixture, run_with_margin, write_fixture  # noqa: E402
 
 COMMIT = "d200577a7e52adf130772ca682ea958c2b442601"
 LAYERS, STEPS, WINDOW, KERNEL, RECENT = 2, 2, 32, 7, 32
@@ -158,30 +156,19 @@ def main():
 
     assert transformers.__version__ == "4.40.0", transformers.__version__
     official = load_official(Path(args.official).resolve())
-    cases, skipped = [], []
-    for case in CASES:
-        out = run_case(official, case)
-        while min(layer["min_margin"] for layer in out["per_layer"]) <= MARGIN:
-            skipped.append(case[1])
-            case = (case[0], case[1] + 1000, *case[2:])
-            out = run_case(official, case)
+    cases, skipped = run_with_margin(lambda case: run_case(official, case), CASES,
+                                     lambda out: min(layer["min_margin"] for layer in out["per_layer"]) > MARGIN)
+    for out in cases:
         for layer in out["per_layer"]:
             layer["min_margin"] = float(f"{layer['min_margin']:.3g}")
-        cases.append(out)
-        print(case[0], "margin", min(layer["min_margin"] for layer in out["per_layer"]))
-    fixture = {
-        "what": "golden fixture from the official ThinK code (ThinK_eager); see scripts/parity/README.md",
-        "official": {"repo": "SalesforceAIResearch/ThinK", "commit": COMMIT, "date": "2025-02-11",
-                     "files": ["ThinK_eager/src/kv_pruning_utils.py", "ThinK_eager/src/llama_model.py",
-                               "ThinK_eager/src/cache_utils.py", "ThinK_eager/src/monkeypatch.py"]},
-        "settings": {"window_size": WINDOW, "kernel_size": KERNEL, "pooling": "maxpool", "recent_size": RECENT},
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "numpy": np.__version__},
-        "tolerance": {"scores_rtol": 1e-5, "scores_atol": 1e-7, "margin": MARGIN},
-        "skipped_seeds": skipped,
-        "cases": cases,
-    }
-    write_fixture(args.out, fixture)
+        print(out["name"], "margin", min(layer["min_margin"] for layer in out["per_layer"]))
+    write_fixture(args.out, golden_fixture(
+        "golden fixture from the official ThinK code (ThinK_eager); see scripts/parity/README.md",
+        {"repo": "SalesforceAIResearch/ThinK", "commit": COMMIT, "date": "2025-02-11",
+         "files": ["ThinK_eager/src/kv_pruning_utils.py", "ThinK_eager/src/llama_model.py",
+                   "ThinK_eager/src/cache_utils.py", "ThinK_eager/src/monkeypatch.py"]},
+        {"scores_rtol": 1e-5, "scores_atol": 1e-7, "margin": MARGIN}, skipped, cases,
+        settings={"window_size": WINDOW, "kernel_size": KERNEL, "pooling": "maxpool", "recent_size": RECENT}))
 
 
 if __name__ == "__main__":

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -39,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
-from stubs import Inject, Zero, ZeroHead, write_fixture  # noqa: E402
+from stubs import Inject, Zero, ZeroHead, golden_fixture, run_with_margin, write_fixture  # noqa: E402
 
 COMMIT = "9c7d09bfff64cfc92cfb5f9d7e138cb04866e5a7"
 LAYERS = 2
@@ -157,25 +155,14 @@ def main():
 
     assert transformers.__version__ == "4.36.2", transformers.__version__
     tova = load_official(Path(args.official))
-    cases, skipped = [], []
-    for case in CASES:
-        while (out := run_case(tova, case)) is None:
-            skipped.append(case[1])
-            case = (case[0], case[1] + 1000, *case[2:])
-        cases.append(out)
-        print(case[0], "margin", out["min_margin"])
-    fixture = {
-        "what": "golden fixture from the official TOVA code; see scripts/parity/README.md",
-        "official": {"repo": "schwartz-lab-NLP/TOVA", "commit": COMMIT, "date": "2024-10-13",
-                     "files": ["src/tova_cache.py", "src/convert_models/convert.py",
-                               "src/convert_models/llama_custom.py"]},
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "numpy": np.__version__},
-        "tolerance": {"scores_atol": 1e-6, "scores_rtol": 1e-5, "margin": MARGIN},
-        "skipped_seeds": skipped,
-        "cases": cases,
-    }
-    write_fixture(args.out, fixture)
+    cases, skipped = run_with_margin(lambda case: run_case(tova, case), CASES, lambda out: out is not None)
+    for out in cases:
+        print(out["name"], "margin", out["min_margin"])
+    write_fixture(args.out, golden_fixture(
+        "golden fixture from the official TOVA code; see scripts/parity/README.md",
+        {"repo": "schwartz-lab-NLP/TOVA", "commit": COMMIT, "date": "2024-10-13",
+         "files": ["src/tova_cache.py", "src/convert_models/convert.py", "src/convert_models/llama_custom.py"]},
+        {"scores_atol": 1e-6, "scores_rtol": 1e-5, "margin": MARGIN}, skipped, cases))
 
 
 if __name__ == "__main__":
