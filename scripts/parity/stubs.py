@@ -94,3 +94,30 @@ def golden_fixture(what: str, official: dict, tolerance: dict, skipped: list[int
                    "transformers": transformers.__version__, "numpy": np.__version__}
     return {"what": what, "official": official, **described, "environment": environment, "tolerance": tolerance,
             "skipped_seeds": skipped, "cases": cases}
+
+
+def generator_args(doc: str, official: str, out: Path):
+    """``--official`` (the checkout of the authors' code, ``official`` says which) and ``--out`` (default ``out``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--official", required=True, help=f"checkout of {official}")
+    parser.add_argument("--out", default=str(out))
+    return parser.parse_args()
+
+
+def tiny_llama_config(hq: int, hkv: int, d: int, layers: int, vocab: int = 8, max_positions: int = 1024):
+    """The generators' tiny eager Llama: every layer's q/k/v injected, MLP 4 wide (replaced by :class:`Zero`)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hq * d, intermediate_size=4, num_hidden_layers=layers,
+                       num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=max_positions,
+                       attn_implementation="eager")
+
+
+def tiny_llama(cfg):
+    """The model of :func:`tiny_llama_config`'s config, weights from seed 0, in eval mode."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()

@@ -33,7 +33,6 @@ float64 (its window mask is a float32 ``torch.full`` of float64's minimum).
 
 from __future__ import annotations
 
-import argparse
 import importlib.machinery
 import sys
 import types
@@ -45,7 +44,17 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
-from stubs import IdentityRope, Inject, Zero, golden_fixture, run_with_margin, write_fixture  # noqa: E402
+from stubs import (  # noqa: E402
+    IdentityRope,
+    Inject,
+    Zero,
+    generator_args,
+    golden_fixture,
+    run_with_margin,
+    tiny_llama,
+    tiny_llama_config,
+    write_fixture,
+)
 
 COMMIT = "efe4e2eea0099bf497f0c175ac5440a915d89f83"
 LAYERS, WINDOW, KERNEL = 2, 32, 7
@@ -104,14 +113,10 @@ def _margin(a: float, b: float) -> float:
 def run_case(official, case):
     monkeypatch, snapkv_utils = official
     name, seed, hq, hkv, d, n, cap, alpha, gqa = case
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaFlashAttention2
 
-    cfg = LlamaConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=4, num_hidden_layers=LAYERS,
-                      num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=1024,
-                      attn_implementation="eager")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    cfg = tiny_llama_config(hq, hkv, d, LAYERS)
+    model = tiny_llama(cfg)
     streams = [stream(seed, li, n, 0, hq, hkv, d, layer_scale(li, LAYERS), 0.0) for li in range(LAYERS)]
     key_rows = []
     for li, layer in enumerate(model.model.layers):
@@ -175,10 +180,8 @@ def run_case(official, case):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--official", required=True, help=f"checkout of FFY0/AdaKV at {COMMIT[:7]}")
-    parser.add_argument("--out", default=str(ROOT / "tests/fixtures/parity/adakv_official.json"))
-    args = parser.parse_args()
+    args = generator_args(__doc__, f"FFY0/AdaKV at {COMMIT[:7]}",
+                          ROOT / "tests/fixtures/parity/adakv_official.json")
     import transformers
 
     assert transformers.__version__ == "4.44.2", transformers.__version__

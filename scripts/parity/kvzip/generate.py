@@ -36,7 +36,6 @@ next seed is used and the skipped seed listed. The code cannot run in float64 (i
 
 from __future__ import annotations
 
-import argparse
 import importlib.machinery
 import os
 import sys
@@ -50,7 +49,18 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
-from stubs import IdentityRope, Inject, Zero, ZeroHead, golden_fixture, run_with_margin, write_fixture  # noqa: E402
+from stubs import (  # noqa: E402
+    IdentityRope,
+    Inject,
+    Zero,
+    ZeroHead,
+    generator_args,
+    golden_fixture,
+    run_with_margin,
+    tiny_llama,
+    tiny_llama_config,
+    write_fixture,
+)
 
 COMMIT = "5d8472975d286e3da6b52178af39d18904330c0d"
 LAYERS, D = 2, 16
@@ -113,13 +123,8 @@ def load_official(path: Path):
 
 def run_case(official_cls, case):
     name, seed, hq, hkv, m, cap = case
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=hq * D, intermediate_size=4, num_hidden_layers=LAYERS,
-                      num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=16384,
-                      attn_implementation="eager")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(tiny_llama_config(hq, hkv, D, LAYERS, vocab=256, max_positions=16384))
     model.config._attn_implementation = "flash_attention_2"  # the code loads the model so; no 4D mask is built
     kvzip = official_cls(model)
     s = kvzip.sys_prompt_ids.shape[1]
@@ -182,10 +187,8 @@ def run_case(official_cls, case):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--official", required=True, help=f"checkout of snu-mllab/KVzip at {COMMIT[:7]}")
-    parser.add_argument("--out", default=str(ROOT / "tests/fixtures/parity/kvzip_official.json"))
-    args = parser.parse_args()
+    args = generator_args(__doc__, f"snu-mllab/KVzip at {COMMIT[:7]}",
+                          ROOT / "tests/fixtures/parity/kvzip_official.json")
     import transformers
 
     assert transformers.__version__ == "4.51.3", transformers.__version__

@@ -31,7 +31,6 @@ seed is used and the skipped seed listed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -42,7 +41,17 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
-from stubs import IdentityRope, Inject, Zero, golden_fixture, run_with_margin, write_fixture  # noqa: E402
+from stubs import (  # noqa: E402
+    IdentityRope,
+    Inject,
+    Zero,
+    generator_args,
+    golden_fixture,
+    run_with_margin,
+    tiny_llama,
+    tiny_llama_config,
+    write_fixture,
+)
 
 COMMIT = "d200577a7e52adf130772ca682ea958c2b442601"
 LAYERS, STEPS, WINDOW, KERNEL, RECENT = 2, 2, 32, 7, 32
@@ -92,15 +101,11 @@ def load_official(path: Path):
 def run_case(official, case, dtype=torch.float32):
     cache_utils, kvp = official
     name, seed, hq, hkv, d, n, cap, ratio = case
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=4, num_hidden_layers=LAYERS,
-                      num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=1024,
-                      attn_implementation="eager")
+    cfg = tiny_llama_config(hq, hkv, d, LAYERS)
     cfg.window_size, cfg.max_capacity_prompt, cfg.kernel_size, cfg.pooling = WINDOW, cap, KERNEL, "maxpool"
     cfg.ratio, cfg.recent_size = ratio, RECENT
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval().to(dtype)
+    model = tiny_llama(cfg).to(dtype)
     streams = [stream(seed, li, n, STEPS, hq, hkv, d, layer_scale(li, LAYERS), 0.0) for li in range(LAYERS)]
     total, group = n + STEPS, hq // hkv
     value_rows = []
@@ -148,10 +153,8 @@ def run_case(official, case, dtype=torch.float32):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--official", required=True, help=f"checkout of SalesforceAIResearch/ThinK at {COMMIT[:7]}")
-    parser.add_argument("--out", default=str(ROOT / "tests/fixtures/parity/think_official.json"))
-    args = parser.parse_args()
+    args = generator_args(__doc__, f"SalesforceAIResearch/ThinK at {COMMIT[:7]}",
+                          ROOT / "tests/fixtures/parity/think_official.json")
     import transformers
 
     assert transformers.__version__ == "4.40.0", transformers.__version__

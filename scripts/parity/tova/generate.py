@@ -25,7 +25,6 @@ rounding in a different order cannot flip a decision; otherwise the next seed is
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -37,7 +36,17 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts" / "parity"))
 from parity_inputs import digest, layer_scale, stream, to_mask  # noqa: E402
-from stubs import Inject, Zero, ZeroHead, golden_fixture, run_with_margin, write_fixture  # noqa: E402
+from stubs import (  # noqa: E402
+    Inject,
+    Zero,
+    ZeroHead,
+    generator_args,
+    golden_fixture,
+    run_with_margin,
+    tiny_llama,
+    tiny_llama_config,
+    write_fixture,
+)
 
 COMMIT = "9c7d09bfff64cfc92cfb5f9d7e138cb04866e5a7"
 LAYERS = 2
@@ -85,13 +94,9 @@ def positions_of(cache_keys: torch.Tensor, key_rows: dict) -> list[int]:
 
 def run_case(tova, case) -> dict | None:
     name, seed, hq, hkv, d, n, cap, steps, sink = case
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=8, hidden_size=hq * d, intermediate_size=4, num_hidden_layers=LAYERS,
-                      num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=1024,
-                      attn_implementation="eager")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    cfg = tiny_llama_config(hq, hkv, d, LAYERS)
+    model = tiny_llama(cfg)
     streams = [stream(seed, li, n, steps, hq, hkv, d, layer_scale(li, LAYERS), sink) for li in range(LAYERS)]
     total = n + steps
     key_rows = []
@@ -147,10 +152,8 @@ def run_case(tova, case) -> dict | None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--official", required=True, help=f"checkout of schwartz-lab-NLP/TOVA at {COMMIT[:7]}")
-    parser.add_argument("--out", default=str(ROOT / "tests/fixtures/parity/tova_official.json"))
-    args = parser.parse_args()
+    args = generator_args(__doc__, f"schwartz-lab-NLP/TOVA at {COMMIT[:7]}",
+                          ROOT / "tests/fixtures/parity/tova_official.json")
     import transformers
 
     assert transformers.__version__ == "4.36.2", transformers.__version__
