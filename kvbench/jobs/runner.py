@@ -42,6 +42,11 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     job.task.prepare_data()  # a missing download fails here, before the model loads
     with jobdir:
+        done_scores = jobdir.finished_scores(cfg.limit)
+        if done_scores is not None:  # another process finished it between the check above and taking the lock
+            log.info("finished already: %s", jobdir.path)
+            _print_table(cfg, job, done_scores, jobdir, skipped=True)
+            return done_scores
         shared = loaded is not None
         try:
             loaded = _obtain_model(job.spec, loaded)
