@@ -502,7 +502,7 @@ def test_cpu_miniature_plans_enough_samples_for_every_claim(planner):
     least 40 samples (PG-19: at least 8 essays), one task protocol per task (the claims pair runs on sample ids),
     KVMerger and D2O at their papers' ratio budgets 0.5 and 0.35 as well as the token budgets, D2O under both
     allocations, and StreamingLLM at POD's resident bytes (the arithmetic of the experiment file's header)."""
-    from kvbench.report.claims import _ref
+    from kvbench.report.claims import _ref, claim_methods
 
     jobs = plan_experiment(planner, "cpu_miniature")
     assert not [f"{j.label}: {j.detail}" for j in jobs if j.status in ("invalid", "unavailable")]
@@ -521,8 +521,7 @@ def test_cpu_miniature_plans_enough_samples_for_every_claim(planner):
         if claim["kind"] == "fullkv_solves":
             missing += [(t, "fullkv") for t in tasks if (t, "fullkv", "full") not in cells]
             continue
-        names = [claim.get("better"), claim.get("method"), *(claim.get("than") or []), *(claim.get("methods") or [])]
-        for name in filter(None, names):
+        for name in claim_methods(claim):
             for budget in claim["budgets"]:
                 ref = _ref(name, budget)
                 missing += [(t, *ref) for t in tasks if (t, *ref) not in cells or (t, "fullkv", "full") not in cells]

@@ -18,6 +18,15 @@ from kvbench.jobs.records import job_meta, job_meta_end, job_scores, resolved_co
 log = logging.getLogger("kvbench")
 
 
+def _finished(cfg: DictConfig, job: Any, jobdir: Any) -> dict[str, Any] | None:
+    """The scores of a job that is finished already (logged and its table printed as skipped), else None."""
+    scores = jobdir.finished_scores(cfg.limit)
+    if scores is not None:
+        log.info("finished already: %s", jobdir.path)
+        _print_table(cfg, job, scores, jobdir, skipped=True)
+    return scores
+
+
 def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     """Run (or resume, or skip) one job; returns its scores.
 
@@ -31,10 +40,8 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     job = plan_job(cfg)
     results_dir = Path(cfg.paths.results_dir)
     jobdir = JobDir(results_dir, job.parts, job.key)
-    done_scores = jobdir.finished_scores(cfg.limit)
+    done_scores = _finished(cfg, job, jobdir)
     if done_scores is not None:
-        log.info("finished already: %s", jobdir.path)
-        _print_table(cfg, job, done_scores, jobdir, skipped=True)
         return done_scores
 
     from kvbench.engine import CompressionSession
@@ -42,10 +49,8 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     job.task.prepare_data()  # a missing download fails here, before the model loads
     with jobdir:
-        done_scores = jobdir.finished_scores(cfg.limit)
-        if done_scores is not None:  # another process finished it between the check above and taking the lock
-            log.info("finished already: %s", jobdir.path)
-            _print_table(cfg, job, done_scores, jobdir, skipped=True)
+        done_scores = _finished(cfg, job, jobdir)  # another process may have finished it before this one took the lock
+        if done_scores is not None:
             return done_scores
         shared = loaded is not None
         try:

@@ -472,12 +472,17 @@ def summary_markdown(evidence: Evidence, tasks: list[str], configured: list[str]
     return lines + [""]
 
 
+def claim_methods(claim: dict[str, Any]) -> list[str]:
+    """Every method a claim names (``better``, ``method``, ``than``, ``methods``), as written."""
+    names = [claim.get("better"), claim.get("method"), *(claim.get("than") or []), *(claim.get("methods") or [])]
+    return [str(name) for name in names if name]
+
+
 def configured_refs(spec: dict[str, Any]) -> list[str]:
     """The exactly named configurations (``name[...]``) a claims file compares, in order of appearance."""
     out: list[str] = []
     for claim in spec.get("claims", []):
-        names = [claim.get("better"), claim.get("method"), *(claim.get("than") or []), *(claim.get("methods") or [])]
-        for name in filter(None, names):
+        for name in claim_methods(claim):
             base = str(name).partition("@")[0]
             if "[" in base and base not in out:
                 out.append(base)
@@ -518,8 +523,7 @@ def _configurations(spec: dict[str, Any], evidence: Evidence) -> list[str]:
     tasks = list(spec.get("tasks") or [])
     seen: dict[str, set[str]] = {}
     for claim in spec.get("claims", []):
-        names = [claim.get("better"), claim.get("method"), *(claim.get("than") or []), *(claim.get("methods") or [])]
-        for name in filter(None, names):
+        for name in claim_methods(claim):
             for b in claim.get("budgets") or []:
                 ref = _ref(name, b)
                 if "[" in ref[0]:  # a configuration named exactly
@@ -573,6 +577,6 @@ def write_claims(results: Path, runs: pd.DataFrame, out: Path) -> Path | None:
     return target
 
 
-__all__ = ["KINDS", "VERDICTS", "Comparison", "Evidence", "Verdict", "claims_markdown", "comparisons_markdown",
-           "configured_name", "configured_refs", "evaluate", "evaluate_all", "load_claims", "resident_kv_bytes",
-           "summary_markdown", "verdicts_markdown", "write_claims"]
+__all__ = ["KINDS", "VERDICTS", "Comparison", "Evidence", "Verdict", "claim_methods", "claims_markdown",
+           "comparisons_markdown", "configured_name", "configured_refs", "evaluate", "evaluate_all", "load_claims",
+           "resident_kv_bytes", "summary_markdown", "verdicts_markdown", "write_claims"]
