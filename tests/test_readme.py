@@ -38,8 +38,9 @@ def test_generated_blocks_are_current():
 def test_the_readmes_hold_every_block():
     for name in ("methods", "tasks", "miniature-claims"):
         _block(name)
-    for name in ("miniature-summary", "miniature-verdicts"):
+    for name in ("miniature-summary", "miniature-verdicts", "miniature-provenance"):
         _block(name, "results/cpu_miniature/README.md")
+    _block("query-agnostic-provenance", "results/cpu_miniature_query_agnostic/README.md")
 
 
 def test_every_registered_method_has_exactly_one_row():

@@ -18,7 +18,10 @@ Blocks:
 * ``question-miniature``: the miniature's budget-128 needle_chat and passkey runs with ``question=with_context``
   (``results/cpu_miniature``) beside the same jobs with ``question=after_compression``
   (``results/cpu_miniature_query_agnostic``), by ``kvbench.report.question``;
-* ``question-new-methods``: the same two columns for ``results/cpu_new_methods`` (both modes in one directory).
+* ``question-new-methods``: the same two columns for ``results/cpu_new_methods`` (both modes in one directory);
+* ``miniature-provenance``, ``query-agnostic-provenance``: what the miniature's (and its query-agnostic column's)
+  committed runs ran on (versions, commit, threads, from every run's meta) and the model's time they took
+  (``kvbench.report.provenance``).
 """
 
 from __future__ import annotations
@@ -242,6 +245,18 @@ def question_miniature(root: Path) -> str:
     return _question_block(runs, tasks=QA_TASKS, budgets=["128", "window16+112"], methods=QA_METHODS)
 
 
+def miniature_provenance(root: Path) -> str:
+    from kvbench.report.provenance import provenance_markdown
+
+    return provenance_markdown(root / MINIATURE)
+
+
+def query_agnostic_provenance(root: Path) -> str:
+    from kvbench.report.provenance import provenance_markdown
+
+    return provenance_markdown(root / QUERY_AGNOSTIC)
+
+
 def question_new_methods(root: Path) -> str:
     from kvbench.report.store import load_runs
 
@@ -256,6 +271,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "miniature-claims": miniature_claims,
     "question-miniature": question_miniature,
     "question-new-methods": question_new_methods,
+    "miniature-provenance": miniature_provenance,
+    "query-agnostic-provenance": query_agnostic_provenance,
 }
 
 
@@ -306,5 +323,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["BLOCKS", "FILES", "acts", "data", "defaults", "main", "methods_block", "miniature_claims",
-           "miniature_summary", "miniature_verdicts", "question_miniature", "question_new_methods", "render", "stale",
-           "task_configs", "task_folder", "tasks_block"]
+           "miniature_provenance", "miniature_summary", "miniature_verdicts", "query_agnostic_provenance",
+           "question_miniature", "question_new_methods", "render", "stale", "task_configs", "task_folder",
+           "tasks_block"]
