@@ -9,7 +9,6 @@ resumed job rewrites; it leaves out model loading, tokenisation and scoring. A R
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +18,19 @@ from kvbench.report.store import job_dirs, meta, records
 
 @dataclass
 class Provenance:
-    jobs: int = 0
-    samples: int = 0
     #: task -> [jobs, samples, seconds]
     tasks: dict[str, list[float]] = field(default_factory=dict)
     versions: Counter = field(default_factory=Counter)  # "transformers 5.24.0, torch ..., python ..." -> runs
     commits: Counter = field(default_factory=Counter)  # git sha (12 characters, "-dirty" kept) -> runs
     threads: Counter = field(default_factory=Counter)  # torch threads per job -> runs
+
+    @property
+    def jobs(self) -> int:
+        return int(sum(t[0] for t in self.tasks.values()))
+
+    @property
+    def samples(self) -> int:
+        return int(sum(t[1] for t in self.tasks.values()))
 
     @property
     def seconds(self) -> float:
@@ -40,13 +45,10 @@ def provenance(results_dir: str | Path) -> Provenance:
         rel = str(path.relative_to(root))
         info = meta(root, rel)
         recs = records(root, rel)
-        task = json.loads((path / "scores.json").read_text()).get("task") or path.parts[-4]
-        row = out.tasks.setdefault(str(task), [0, 0, 0.0])
+        row = out.tasks.setdefault(path.parts[-4], [0, 0, 0.0])  # runs/<model>/<task>/<method>/<budget>/<hash>
         row[0] += 1
         row[1] += len(recs)
         row[2] += sum(float(r.get("prefill_seconds") or 0) + float(r.get("decode_seconds") or 0) for r in recs)
-        out.jobs += 1
-        out.samples += len(recs)
         v = info.get("versions") or {}
         out.versions[", ".join(f"{k} {v.get(k, '?')}" for k in ("transformers", "torch", "python"))] += 1
         sha = str(info.get("git_sha") or "unknown")
