@@ -43,6 +43,9 @@ def test_raw_variance_underflows_and_water_filling_clamps():
     assert allocate(torch.tensor([0.5, 300.0, 900.0]), 1000, 200, "paper_literal") == [576, 12, 12]
     # z-scored (mean 400, std 374.17): z = [-1.069, -0.267, 1.336], shares [0.6499, 0.2914, 0.0587] x 750
     assert allocate(raw, 500, 250, "kvbench_zscore") == [487, 219, 44]
+    # a gap of 740 leaves layer 1 a subnormal weight (e^-740 = 4.2e-322): the bisection's upper lam is then above the
+    # largest double (math.exp overflowed on 5 of the miniature's 40 passkey samples); the same sizes as a gap of 300
+    assert allocate(torch.tensor([0.0, 740.0, 900.0]), 500, 250, "paper_literal") == [500, 238, 12]
 
 
 def test_other_allocation_rules_by_hand():

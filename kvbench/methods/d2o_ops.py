@@ -67,7 +67,10 @@ def water_fill(weights: torch.Tensor, total: float, lo: float, hi: float) -> tor
     positive = w > 0
 
     def sizes(log_lam: float) -> torch.Tensor:
-        return (math.exp(log_lam) * w).clamp(lo, hi)
+        try:
+            return (math.exp(log_lam) * w).clamp(lo, hi)
+        except OverflowError:  # lam > 1.8e308 when the smallest positive weight is subnormal (raw F gaps > ~708)
+            return torch.exp(log_lam + torch.log(w)).clamp(lo, hi)  # log(0) = -inf: exp gives 0, clamped to lo
 
     low = math.log(max(lo, 1e-300)) - math.log(float(w.max())) - 1.0
     high = math.log(hi) - math.log(float(w[positive].min())) + 1.0
