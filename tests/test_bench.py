@@ -95,7 +95,7 @@ def test_paired_cells_alternate_with_fullkv(tmp_path):
         row = by_method[name]
         assert len(row["prefill_seconds_all"]) == len(row["prefill_baseline_seconds_all"]) == 3
         ratios = sorted(m / b for m, b in zip(row["prefill_seconds_all"], row["prefill_baseline_seconds_all"]))
-        assert row["prefill_ratio_paired"] == pytest.approx(ratios[1], abs=5e-5)  # stored to 4 decimals
+        assert row["prefill_ratio_paired"] == round(ratios[1], 4)  # recomputable from the stored timings
 
 
 def test_plots_follow_the_cells(tmp_path):

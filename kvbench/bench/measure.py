@@ -210,7 +210,9 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         result.resident_kv_bytes = runs[-1][1]
         result.prefill_baseline_seconds_all = [_sig(s) for s in base]
         result.prefill_baseline_seconds = statistics.median(base)
-        result.prefill_ratio_paired = round(statistics.median(m / b for (m, _), b in zip(runs, base)), 4)
+        # from the stored timings, so that a reader recomputes the stored ratio from the record exactly
+        result.prefill_ratio_paired = round(statistics.median(
+            m / b for m, b in zip(result.prefill_seconds_all, result.prefill_baseline_seconds_all)), 4)
     if "decode" in metrics:
         outs = []
         for i in range(warmup + repeats):
