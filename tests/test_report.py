@@ -416,6 +416,33 @@ def fixture_runs():
     return load_runs(FIXTURE)
 
 
+def test_all_regenerated_in_place_drops_what_a_deleted_run_drew(tmp_path, fixture_runs):
+    """In place, ``all`` equals a report written into an empty directory: a deleted run's figure and table rows go,
+    an old claims.md without claims.yaml goes, and files that are not the report's stay."""
+    results = tmp_path / "results"
+    shutil.copytree(FIXTURE, results)
+    out = results / "report"
+    run_all(results, out, {}, paper_tables="none")
+    assert (out / "figures" / "ratios_tiny-random_kvmerger_0.5.png").is_file()
+    (out / "claims.md").write_text("an old claim\n")
+    (out / "notes.txt").write_text("mine\n")
+    (out / "figures" / "mine.txt").write_text("mine\n")
+    kvmerger = fixture_runs[fixture_runs["method"] == "kvmerger"]["path"]
+    for path in kvmerger:
+        shutil.rmtree(results / path)  # relative to the results directory
+    run_all(results, out, {}, paper_tables="none")
+    fresh = tmp_path / "fresh"
+    run_all(results, fresh, {}, paper_tables="none")
+    ours = {"notes.txt", "figures/mine.txt"}
+    in_place = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    again = {p.relative_to(fresh).as_posix(): p.read_bytes() for p in fresh.rglob("*") if p.is_file()}
+    assert ours <= set(in_place)
+    assert sorted(set(in_place) - ours) == sorted(again)
+    assert "figures/ratios_tiny-random_kvmerger_0.5.png" not in in_place and "claims.md" not in in_place
+    for rel in again:
+        assert in_place[rel] == again[rel], rel
+
+
 def test_fixture_store_reads_and_method_stats_are_recorded(fixture_runs):
     runs = fixture_runs
     assert set(runs["task"]) == {"needle", "longbench"} and len(runs) == 14

@@ -13,7 +13,9 @@
 tables inline, links to every file), ``<out>/tables/`` (``runs_<model>_<task>`` and the paper tables that have at
 least one of our numbers, each as ``.md``, ``.tex``, ``.csv``) and ``<out>/figures/`` (PNG + PDF). The same inputs give
 byte-identical files wherever they are written (the README's regeneration line names ``<results>/report``, relative
-to the repository root), so a report regenerated into a temporary directory equals the committed one.
+to the repository root), so a report regenerated into a temporary directory equals the committed one. Regenerated in
+place, ``all`` removes the tables, figures and ``claims.md`` that the runs no longer produce (a deleted run's figure),
+one stderr line each, and leaves every other file alone: the directory then equals a fresh report.
 
 Runs whose records show that their method never compressed (FullKV numbers under the method's name, as every run had
 while transformers 5.24's cache keyword rename went unnoticed) are left out of tables and figures, with one warning
@@ -131,7 +133,30 @@ def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables:
     out.mkdir(parents=True, exist_ok=True)
     index = out / "README.md"
     index.write_text("\n".join(lines), encoding="utf-8")
+    written = {index, *(f for _, md, _ in run_tables for f in (md, md.with_suffix(".csv"), md.with_suffix(".tex"))),
+               *(f for _, files in paper for f in files), *figures, *([claims] if claims is not None else [])}
+    _prune(out, written)
     return index
+
+
+#: what a report owns inside ``out``: files of these kinds that this run did not write are left from older runs
+_REPORT_FILES = {".md", ".csv", ".tex", ".png", ".pdf"}
+
+
+def _prune(out: Path, written: set[Path]) -> list[Path]:
+    """Remove the report's files that these runs no longer produce (a deleted run's table or figure), one line each.
+
+    Only ``out/claims.md`` and the report kinds of file directly in ``out/tables`` and ``out/figures`` are candidates,
+    so that a report regenerated in place equals one written into an empty directory; other files are left alone.
+    """
+    keep = {p.resolve() for p in written}
+    candidates = [out / "claims.md"] + [p for sub in ("tables", "figures") if (out / sub).is_dir()
+                                        for p in sorted((out / sub).iterdir())]
+    removed = [p for p in candidates if p.is_file() and p.suffix in _REPORT_FILES and p.resolve() not in keep]
+    for path in removed:
+        path.unlink()
+        print(f"removed {path}: the runs no longer produce it", file=sys.stderr)
+    return removed
 
 
 def _shown(path: Path) -> str:
