@@ -147,7 +147,8 @@ def test_numbers_agree_to_a_relative_1e_9(real_job, factor, state):
     assert inspect(real_job).state == state
 
 
-@pytest.mark.parametrize("store", ["results/cpu_miniature", "tests/fixtures/results"])
+@pytest.mark.parametrize("store", ["results/cpu_miniature", "results/cpu_miniature_snapkv_window_kernel",
+                                   "tests/fixtures/results"])
 def test_the_committed_stores_compressed_and_their_scores_follow_from_their_records(store):
     """Every committed job is finished, compressed where its method compresses, and its scores.json recomputes
     exactly from its records here (the fixture's data_dir is another machine's: the rebuild ignores it)."""

@@ -21,7 +21,10 @@ Blocks:
 * ``question-new-methods``: the same two columns for ``results/cpu_new_methods`` (both modes in one directory);
 * ``miniature-provenance``, ``query-agnostic-provenance``: what the miniature's (and its query-agnostic column's)
   committed runs ran on (versions, commit, threads, from every run's meta) and the model's time they took
-  (``kvbench.report.provenance``).
+  (``kvbench.report.provenance``);
+* ``window-kernel-verdicts``, ``window-kernel-provenance``: the SnapKV window / kernel ablation beside PyramidKV
+  (``results/cpu_miniature_snapkv_window_kernel``): its claims' verdict table, evaluated from its ``claims.yaml`` and
+  committed runs, and what its runs ran on.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ import yaml
 
 #: the files holding generated blocks, relative to the repository root
 FILES = ("README.md", "results/cpu_miniature/README.md", "results/cpu_miniature_query_agnostic/README.md",
-         "results/cpu_new_methods/README.md")
+         "results/cpu_new_methods/README.md", "results/cpu_miniature_snapkv_window_kernel/README.md")
 MINIATURE = "results/cpu_miniature"
+WINDOW_KERNEL = "results/cpu_miniature_snapkv_window_kernel"
 QUERY_AGNOSTIC = "results/cpu_miniature_query_agnostic"
 NEW_METHODS = "results/cpu_new_methods"
 #: the miniature's query-agnostic column: its methods (OmniKV and POD refuse after_compression: their with_context
@@ -179,12 +183,13 @@ def tasks_block(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-@functools.lru_cache(maxsize=4)
-def _miniature(root: Path) -> tuple[Any, Any, list]:
+@functools.lru_cache(maxsize=8)
+def _miniature(root: Path, folder: str = MINIATURE) -> tuple[Any, Any, list]:
+    """A results folder's claims, evaluated on its committed runs (the miniature's unless ``folder`` says)."""
     from kvbench.report.claims import Evidence, evaluate_all, load_claims
     from kvbench.report.store import load_runs
 
-    results = root / MINIATURE
+    results = root / folder
     spec = load_claims(results / "claims.yaml")
     evidence = Evidence(load_runs(results), spec["model"], results)
     return spec, evidence, evaluate_all(spec, evidence)
@@ -257,6 +262,18 @@ def query_agnostic_provenance(root: Path) -> str:
     return provenance_markdown(root / QUERY_AGNOSTIC)
 
 
+def window_kernel_verdicts(root: Path) -> str:
+    from kvbench.report.claims import verdicts_markdown
+
+    return "\n".join(verdicts_markdown(_miniature(root, WINDOW_KERNEL)[2])) + "\n"
+
+
+def window_kernel_provenance(root: Path) -> str:
+    from kvbench.report.provenance import provenance_markdown
+
+    return provenance_markdown(root / WINDOW_KERNEL)
+
+
 def question_new_methods(root: Path) -> str:
     from kvbench.report.store import load_runs
 
@@ -273,6 +290,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "question-new-methods": question_new_methods,
     "miniature-provenance": miniature_provenance,
     "query-agnostic-provenance": query_agnostic_provenance,
+    "window-kernel-verdicts": window_kernel_verdicts,
+    "window-kernel-provenance": window_kernel_provenance,
 }
 
 
@@ -325,4 +344,4 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = ["BLOCKS", "FILES", "acts", "data", "defaults", "main", "methods_block", "miniature_claims",
            "miniature_provenance", "miniature_summary", "miniature_verdicts", "query_agnostic_provenance",
            "question_miniature", "question_new_methods", "render", "stale", "task_configs", "task_folder",
-           "tasks_block"]
+           "tasks_block", "window_kernel_provenance", "window_kernel_verdicts"]
