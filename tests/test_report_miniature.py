@@ -60,8 +60,8 @@ def _rerun_runs(results=RESULTS):
 
     runs = load_runs(results)
     if (runs["n_samples"] < MIN_SAMPLES).all():
-        pytest.skip(f"the committed results/cpu_miniature runs predate issue #20's rerun (at most "
-                    f"{int(runs['n_samples'].max())} samples per run); run conf/experiment/cpu_miniature.yaml")
+        pytest.skip(f"the committed {results.name} runs predate issue #20's rerun (at most "
+                    f"{int(runs['n_samples'].max())} samples per run); run conf/experiment/{results.name}.yaml")
     return runs
 
 
@@ -104,14 +104,13 @@ def test_every_committed_claim_row_has_an_interval_a_p_value_and_a_verdict(resul
 def test_the_ablation_reruns_the_miniatures_own_jobs_exactly():
     """The ablation's jobs that the miniature also ran (the same hash: SnapKV's default, PyramidKV, FullKV) reproduce
     the miniature's predictions and per-layer sizes on every sample, so its comparisons pair with the miniature's."""
-    import json
+    from kvbench.report.store import load_runs, records
 
-    def recs(job: Path) -> dict:
-        rows = [json.loads(line) for line in (job / "samples.jsonl").read_text().splitlines()]
-        return {r["id"]: (r["prediction"], r["layer_entries"]) for r in rows}
+    def recs(results: Path, job: str) -> dict:
+        return {r["id"]: (r["prediction"], r["layer_entries"]) for r in records(results, job)}
 
-    jobs = sorted(p.parent for p in (WINDOW_KERNEL / "runs").rglob("scores.json"))
-    shared = [job for job in jobs if (RESULTS / job.relative_to(WINDOW_KERNEL)).is_dir()]
-    assert {job.parts[-3] for job in shared} == {"fullkv", "pyramidkv", "snapkv"} and len(jobs) == 6
+    jobs = list(load_runs(WINDOW_KERNEL)["path"])
+    shared = [job for job in jobs if (RESULTS / job).is_dir()]
+    assert sorted(Path(job).parts[-3] for job in shared) == ["fullkv", "pyramidkv", "snapkv"] and len(jobs) == 6
     for job in shared:
-        assert recs(job) == recs(RESULTS / job.relative_to(WINDOW_KERNEL)), job
+        assert recs(WINDOW_KERNEL, job) == recs(RESULTS, job), job

@@ -143,7 +143,7 @@ def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables:
 _REPORT_FILES = {".md", ".csv", ".tex", ".png", ".pdf"}
 
 
-def _prune(out: Path, written: set[Path]) -> list[Path]:
+def _prune(out: Path, written: set[Path]) -> None:
     """Remove the report's files that these runs no longer produce (a deleted run's table or figure), one line each.
 
     Only ``out/claims.md`` and the report kinds of file directly in ``out/tables`` and ``out/figures`` are candidates,
@@ -156,7 +156,6 @@ def _prune(out: Path, written: set[Path]) -> list[Path]:
     for path in removed:
         path.unlink()
         print(f"removed {path}: the runs no longer produce it", file=sys.stderr)
-    return removed
 
 
 def _shown(path: Path) -> str:

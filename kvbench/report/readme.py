@@ -184,7 +184,7 @@ def tasks_block(root: Path) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _miniature(root: Path, folder: str = MINIATURE) -> tuple[Any, Any, list]:
+def _claims(root: Path, folder: str = MINIATURE) -> tuple[Any, Any, list]:
     """A results folder's claims, evaluated on its committed runs (the miniature's unless ``folder`` says)."""
     from kvbench.report.claims import Evidence, evaluate_all, load_claims
     from kvbench.report.store import load_runs
@@ -198,20 +198,20 @@ def _miniature(root: Path, folder: str = MINIATURE) -> tuple[Any, Any, list]:
 def miniature_summary(root: Path) -> str:
     from kvbench.report.claims import configured_refs, summary_markdown
 
-    spec, evidence, _ = _miniature(root)
+    spec, evidence, _ = _claims(root)
     return "\n".join(summary_markdown(evidence, list(spec.get("tasks") or []), configured_refs(spec)))
 
 
-def miniature_verdicts(root: Path) -> str:
+def miniature_verdicts(root: Path, folder: str = MINIATURE) -> str:
     from kvbench.report.claims import verdicts_markdown
 
-    return "\n".join(verdicts_markdown(_miniature(root)[2])) + "\n"
+    return "\n".join(verdicts_markdown(_claims(root, folder)[2])) + "\n"
 
 
 def miniature_claims(root: Path) -> str:
     """One line per claim: its verdict per budget (``monotone``: how many methods got each verdict)."""
     lines = []
-    for claim, verdicts in _miniature(root)[2]:
+    for claim, verdicts in _claims(root)[2]:
         if claim["kind"] == "monotone":
             by: dict[str, list[str]] = {}
             for v in verdicts:
@@ -263,9 +263,7 @@ def query_agnostic_provenance(root: Path) -> str:
 
 
 def window_kernel_verdicts(root: Path) -> str:
-    from kvbench.report.claims import verdicts_markdown
-
-    return "\n".join(verdicts_markdown(_miniature(root, WINDOW_KERNEL)[2])) + "\n"
+    return miniature_verdicts(root, WINDOW_KERNEL)
 
 
 def window_kernel_provenance(root: Path) -> str:
