@@ -133,3 +133,17 @@ def test_the_checks_see_real_arrows():
     assert "kvbench.engine.cache" in graph["kvbench.methods.base"]  # under TYPE_CHECKING
     assert "kvbench.tasks.pg19.data" in graph["kvbench.tasks.pg19.task"]
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+#: what the engine may import of kvbench.methods: the method contract and its shared helpers, never a method
+METHOD_CONTRACT = {"kvbench.methods.base", "kvbench.methods.contexts", "kvbench.methods.cache_ops"}
+
+
+def test_the_engine_imports_no_concrete_method():
+    """The engine calls the method contract and never names a method: a method's decode step reaches the engine as
+    data of its ``static_policy`` (its own step functions included), not as an import of its module (the per-layer
+    static step imported D2O's merge and OmniKV's selection)."""
+    graph = _graph()
+    bad = sorted(f"{src} -> {dst}" for src, dsts in graph.items() if _under(src, "kvbench.engine")
+                 for dst in dsts if _under(dst, "kvbench.methods") and dst not in METHOD_CONTRACT)
+    assert not bad, bad

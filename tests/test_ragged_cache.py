@@ -19,6 +19,7 @@ from kvbench.engine import CompressionSession, greedy_generate
 from kvbench.engine import generate as generate_module
 from kvbench.engine.attention import grouped_attention
 from kvbench.engine.cache import KVCache, KVLayer
+from kvbench.engine.static import StaticKVLayer
 from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods import build_method
 from kvbench.methods.base import keep_entries
@@ -163,15 +164,20 @@ def test_ragged_heads_inside_sliding_windows_decode_as_padded_ones(monkeypatch):
     assert ragged.resident_kv_bytes_final < padded.resident_kv_bytes_final
 
 
-def test_engine_compile_refuses_a_ragged_cache_and_runs_the_padded_layout(toy_llama):
-    """engine.compile holds fixed (B, H, slots, D) layers (KVzip has no static step at all: test_method_think)."""
+@pytest.mark.parametrize("fields", [{}, {"allocation": "kvpress"}])
+def test_the_captured_decode_runs_a_ragged_cache_as_padded_slots(toy_llama, fields):
+    """engine.compile holds fixed (B, H, slots, D) layers: a ragged layer becomes its padded view there (the empty
+    slots of shorter heads invalid), decodes the same tokens, and reports the bytes its heads hold, as the ragged
+    layer does (KVzip has no static step at all: test_method_think)."""
     b = Budget.parse(48)
-    with pytest.raises(ConfigError, match="ragged cache .*engine.compile=true"):
-        with CompressionSession(toy_llama, build_method({"name": "adakv"}, b), b, compile="eager"):
-            pass
-    assert not toy_llama.config._attn_implementation.startswith("kvbench_")  # the refused session restored it
-    with CompressionSession(toy_llama, build_method({"name": "adakv", "layout": "padded"}, b), b, compile="eager"):
-        pass
+    runs = {}
+    for compile in (False, "eager"):
+        with CompressionSession(toy_llama, build_method({"name": "adakv", **fields}, b), b, compile=compile) as s:
+            runs[compile] = greedy_generate(toy_llama, [_prompt(200, 1)], 20, [], 0)
+            if compile:
+                assert all(isinstance(layer, StaticKVLayer) and layer.ragged is None for layer in s._layers.values())
+    assert runs["eager"].tokens == runs[False].tokens
+    assert runs["eager"].resident_kv_bytes_final == runs[False].resident_kv_bytes_final
 
 
 @pytest.mark.parametrize("name", ["adakv", "kvzip"])

@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from kvbench.budget import Budget
-from kvbench.engine import CompressionSession, greedy_generate
+from kvbench.engine import CompressionSession, graph, greedy_generate
 from kvbench.engine.static import StaticKVLayer
 from kvbench.errors import ConfigError
 from kvbench.methods import build_method
@@ -71,24 +71,114 @@ def test_static_decode_equals_the_default_path(toy_llama, method):
     assert static.resident_kv_bytes_final >= eager.resident_kv_bytes_final
 
 
-@pytest.mark.parametrize("method", STATIC)
-def test_the_step_is_captured_once_and_never_recompiled(toy_llama, method):
-    """Graphs are counted after the first decode step (every layer has run the step once: layers of different
-    capacities, PyramidKV's, make the one shape-generic graph) and after 32: none is added in between."""
-    torch._dynamo.reset()
-    counters.clear()
+def _capture_counts(model, method, budget, prompts, new, fields=None):
+    """Dynamo's graph count after each step's tokens reached the host (read at every step: ``READ_EVERY`` = 1)."""
     seen = []
 
     def after_each_step(row, tokens):
-        seen.append(counters["stats"]["unique_graphs"])
+        if row == 0:
+            seen.append(counters["stats"]["unique_graphs"])
         return False
 
+    b = Budget.parse(budget)
+    m = build_method({"name": method, **FIELDS.get(method, {}), **(fields or {})}, b)
+    with CompressionSession(model, m, b, compile="eager") as session:
+        out = greedy_generate(model, prompts, new, [], 0, after_each_step)
+    return out, seen, session
+
+
+@pytest.mark.parametrize("method", STATIC)
+def test_the_whole_step_is_captured_once_and_never_recompiled(toy_llama, method, monkeypatch):
+    """The whole decode step (every layer, the method's step, the LM head, the greedy choice) is one graph
+    (``fullgraph=True``: a graph break raises), captured at the second decode step (the first is host-driven and
+    checked) and never recompiled over 64 steps while a 40-token prompt's cache fills to the budget of 64 and then
+    evicts; a second batch bucket (2 rows) adds exactly one graph, and a batch of 2 again none."""
+    monkeypatch.setattr(graph, "READ_EVERY", 1)
+    torch._dynamo.reset()
+    counters.clear()
+    budget = None if method == "fullkv" else 64
+    out, seen, session = _capture_counts(toy_llama, method, budget, [_prompt(40)], 66)
+    assert out.decode_steps == 65 and len(seen) == 66
+    assert seen[:3] == [0, 0, 1]  # the prompt's token, the host-driven first step's, then the captured steps'
+    assert seen[-1] == 1, seen  # 63 more steps, the cache filled and evicting: no new graph
+    assert session.stats.decode_layer_calls == 65 * 3
+    _, seen2, _ = _capture_counts(toy_llama, method, budget, [_prompt(40), _prompt(37, 2)], 20)
+    assert seen2[-1] == 2, seen2
+    # another sample of the bucket (a new session, new buffers): the same graph; FullKV's slot count follows the
+    # prompt's length, rounded to engine.session.SLOT_ROUND: another length within the bucket, the same graph too (a
+    # method whose step has constants set by a prompt within the budget, H2O's recent window, captures per length)
+    lengths = (45, 41) if method == "fullkv" else (40, 37)
+    _, seen3, _ = _capture_counts(toy_llama, method, budget, [_prompt(lengths[0], 3), _prompt(lengths[1], 4)], 20)
+    assert seen3[-1] == 2, seen3
+
+
+def test_the_host_driven_path_is_not_captured(toy_llama, monkeypatch):
+    """The counts above are the capture's: the default path compiles nothing."""
+    monkeypatch.setattr(graph, "READ_EVERY", 1)
+    torch._dynamo.reset()
+    counters.clear()
+    b = Budget.parse(64)
+    with CompressionSession(toy_llama, build_method({"name": "h2o"}, b), b):
+        greedy_generate(toy_llama, [_prompt(40)], 10, [], 0)
+    assert counters["stats"]["unique_graphs"] == 0
+
+
+@pytest.mark.parametrize("method", ["fullkv", "h2o", "d2o", "omnikv", "quest"])
+def test_the_captured_step_writes_static_addresses_only(toy_llama, method):
+    """Every tensor the captured step mutates (slots, positions, validity, the method's per-entry and per-row state,
+    the step's token / position / output buffers) is allocated before the first captured step, marked a static
+    address for the compiler, and still at that address after 40 steps: CUDA graphs replay over it in place, nothing
+    is copied into or out of the graph per step. (The per-layer compiled step marked nothing: inductor skipped CUDA
+    graphs for its mutated inputs.)"""
     b = Budget.parse(None if method == "fullkv" else 64)
-    with CompressionSession(toy_llama, build_method({"name": method, **FIELDS.get(method, {})}, b), b, compile="eager"):
-        out = greedy_generate(toy_llama, [_prompt()], 33, [], 0, after_each_step)
-    assert out.decode_steps == 32 and len(seen) == 33
-    assert seen[1] >= 1  # captured (fullgraph=True: a graph break would have raised)
-    assert seen[-1] == seen[1], seen  # 31 more steps: no new graph
+    m = build_method({"name": method, **FIELDS.get(method, {})}, b)
+    marked = {}
+    real_mark = graph.mark_static
+
+    def spy(tensors):
+        marked.update({id(t): (t, t.data_ptr()) for t in tensors})
+        real_mark(tensors)
+
+    with CompressionSession(toy_llama, m, b, compile="eager") as session, \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graph, "mark_static", spy)
+        greedy_generate(toy_llama, [_prompt()], 41, [], 0)
+        layers = [session._layers[i] for i in sorted(session._layers)]
+    buffers = [t for layer in layers for t in layer.buffers()]
+    assert buffers and len(marked) >= len(buffers) + 4
+    addresses = {ptr for _, ptr in marked.values()}
+    assert all(t.data_ptr() in addresses for t in buffers)  # what the layers hold now is what the graph wrote
+    for t, ptr in marked.values():
+        assert getattr(t, "_dynamo_static_input_type", None) is not None
+        assert t.data_ptr() == ptr
+
+
+HOST_READ_NODES = {"item", "tolist", "nonzero", "masked_select", "_local_scalar_dense", "is_nonzero", "__bool__",
+                   "__int__", "__float__"}
+
+
+def test_no_host_read_inside_a_captured_step(toy_llama, monkeypatch):
+    """The captured step's graph (every op dynamo traced, recorded by a backend of this test) holds no scalar read
+    and no data-dependent shape, each a wait for the GPU; the host reads the chosen ids once per ``READ_EVERY`` steps
+    (48 steps: 3 reads)."""
+    graphs, reads = [], []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real_read = graph.read_chosen
+    monkeypatch.setattr(graph, "read_chosen", lambda *a: reads.append(a[2:]) or real_read(*a))
+    for method in ("h2o", "d2o", "quest"):
+        graphs.clear(), reads.clear()
+        b = Budget.parse(64)
+        with CompressionSession(toy_llama, build_method({"name": method}, b), b, compile=recorder):
+            out = greedy_generate(toy_llama, [_prompt()], 50, [], 0)
+        assert out.decode_steps == 49 and len(graphs) == 1
+        names = {str(getattr(n.target, "__name__", n.target)) for n in graphs[0].graph.nodes}
+        assert names & HOST_READ_NODES == set(), method
+        assert "argmax" in names and "scatter_" in names  # the greedy choice and the cache write are in the graph
+        assert reads == [(0, 16), (16, 32), (32, 48)], reads  # the host-driven first step, then 48 captured steps
 
 
 def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
@@ -98,6 +188,19 @@ def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
     eager, _ = _generate(toy_llama, "h2o", 64, False, [long, short])
     assert both.tokens == eager.tokens
     assert both.tokens[0] == alone[0]
+
+
+@pytest.mark.parametrize("method", ["fullkv", "snapkv", "h2o", "d2o", "tova", "streamingllm"])
+def test_a_batch_of_three_runs_in_the_bucket_of_four(toy_llama, method):
+    """Three left-padded rows decode in a bucket of four (the fourth repeats the third and is dropped): the tokens
+    are the host-driven path's, and the reported bytes are three rows'."""
+    prompts = [_prompt(200, 3), _prompt(150, 4), _prompt(180, 5)]
+    budget = None if method == "fullkv" else 64
+    eager, _ = _generate(toy_llama, method, budget, False, prompts, new=24)
+    static, session = _generate(toy_llama, method, budget, "eager", prompts, new=24)
+    assert static.tokens == eager.tokens
+    assert all(session._layers[i].keys.shape[0] == 3 for i in session._layers)
+    assert static.resident_kv_bytes_final == sum(session._layers[i].resident_bytes() for i in session._layers)
 
 
 D2O_FIELDS = [{}, {"similarity_feature": "key_value", "merge_score": "add"},
@@ -129,10 +232,11 @@ def test_static_d2o_leaves_the_cache_of_the_default_path(toy_llama, fields):
 @pytest.mark.parametrize(("selector", "reading"), [("last", None), ("softmax_before_last", None),
                                                   ("uniform", "official_code"), ("exp", "official_code"),
                                                   ("exp", "paper")])
-def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, reading):
+def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, reading, monkeypatch):
     """OmniKV's tokens on the toy model are FullKV's, so the check is the selection itself: after every decode step the
     filter layer's choice of prompt slots (those its sparse layers attend to) equals the default path's; the window
     selectors' first 16 steps hold prompt queries in their window (the official reading forces their tokens)."""
+    monkeypatch.setattr(graph, "READ_EVERY", 1)  # the selection read after every step, captured ones included
     chosen = {}
     for compile in (False, "eager"):
         b = Budget.parse(64)

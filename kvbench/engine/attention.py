@@ -26,6 +26,12 @@ class Attending(Protocol):
 #: the session active in this context (set by ``CompressionSession.__enter__``), or None: plain backend attention
 ACTIVE_SESSION: ContextVar[Attending | None] = ContextVar("kvbench_session", default=None)
 BACKENDS = ("sdpa", "eager", "flash_attention_2")
+#: the session whose whole decode step is captured (``engine.graph``), while its generation replays it: a plain list,
+#: because torch.compile cannot trace ``ContextVar.get``
+CAPTURED_SESSION: list = []
+#: the attention implementation a model runs while its decode step is captured: no mask function is registered for it,
+#: so transformers builds no mask (the step attends by the cache's own validity bits) and reads no cache length
+GRAPH_IMPL = "kvbench_graph"
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None,
@@ -79,8 +85,15 @@ def _make(impl: str):
     return kvbench_attention
 
 
+def _captured_attention(module, query, key, value, attention_mask, **kwargs):
+    """``kvbench_graph``: the captured decode step's attention, the session's (``captured_attend``)."""
+    return CAPTURED_SESSION[-1].captured_attend(module, query, key, value, **kwargs)
+
+
 def register_backends() -> None:
-    """Register ``kvbench_<impl>`` attention + mask functions (idempotent)."""
+    """Register ``kvbench_<impl>`` attention + mask functions and the captured step's ``kvbench_graph`` (idempotent)."""
+    if GRAPH_IMPL not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(GRAPH_IMPL, _captured_attention)
     for impl in BACKENDS:
         name = f"kvbench_{impl}"
         if name in ALL_ATTENTION_FUNCTIONS:

@@ -33,6 +33,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _by_columns(take: Callable[[list[int]], None], done: list[bool], first: int, max_new_tokens: int):
+    """The host-driven loop's per-step handling (``take``) over blocks of steps ``(rows, k)`` from the captured loop,
+    step ``first`` first: True once every row ended or the last allowed step was taken (later ids are dropped)."""
+    index = [first]
+
+    def take_columns(columns: list[list[int]]) -> bool:
+        for j in range(len(columns[0])):
+            take([row[j] for row in columns])
+            if all(done) or index[0] == max_new_tokens - 1:
+                return True
+            index[0] += 1
+        return False
+
+    return take_columns
+
+
 @torch.inference_mode()
 def greedy_generate(
     model,
@@ -54,7 +70,6 @@ def greedy_generate(
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     padded = bool((mask == 0).any())
     cache = KVCache()
-    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
     tokens: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
 
@@ -77,19 +92,30 @@ def greedy_generate(
     t1 = time.perf_counter()
     steps = 0
     last_pos = position_ids[:, -1:]
-    for step in range(max_new_tokens):
-        # one device read per step for all rows (per-row reads each wait for the GPU)
-        ids_now, eos_now = next_token.tolist(), torch.isin(next_token, eos).tolist()
+    eos_ids = set(int(e) for e in eos_token_ids)
+
+    def take(ids_now: list[int]) -> None:
         for row in range(len(prompts)):
             if done[row]:
                 continue
-            if eos_now[row]:
+            if ids_now[row] in eos_ids:
                 done[row] = True
                 continue
             tokens[row].append(int(ids_now[row]))
             if should_stop is not None and should_stop(row, tokens[row]):
                 done[row] = True
+
+    for step in range(max_new_tokens):
+        # one device read per step for all rows (per-row reads each wait for the GPU)
+        take(next_token.tolist())
         if all(done) or step == max_new_tokens - 1:
+            break
+        if session is not None and getattr(session, "can_capture", lambda: False)():
+            # every later step is one captured step (engine/graph.py); the host reads the chosen ids every few steps
+            from kvbench.engine.graph import captured_generate
+
+            steps += captured_generate(session, model, next_token, last_pos, max_new_tokens - 1 - step,
+                                       _by_columns(take, done, step + 1, max_new_tokens))
             break
         last_pos = last_pos + 1
         mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=-1)

@@ -17,6 +17,7 @@ the forward, i.e. before the next one, with a :class:`TokenLogits` that applies 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,17 +31,26 @@ from kvbench.engine.architecture import (
     layer_attention,
     resolve_policy,
 )
-from kvbench.engine.attention import ACTIVE_SESSION, backend_function, grouped_attention, register_backends
+from kvbench.engine.attention import (
+    ACTIVE_SESSION,
+    CAPTURED_SESSION,
+    GRAPH_IMPL,
+    backend_function,
+    grouped_attention,
+    register_backends,
+)
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
 from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versions_line
 from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
 from kvbench.engine.rope import rotate_keys
-from kvbench.engine.static import StaticKVLayer, StaticPolicy
+from kvbench.engine.static import StaticKVLayer, StaticPolicy, slot_pool, static_step
 from kvbench.errors import CompressionInactiveError, ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_rank
 
 _ROTATABLE_ROPE = ("default", "linear", "llama3")
+#: engine.compile: slot counts that follow the prompt's length are rounded up to a multiple of this (graphs per bucket)
+SLOT_ROUND = 256
 
 
 @dataclass
@@ -90,8 +100,10 @@ class CompressionSession:
         self.compile = compile
         #: PrefillContext.few_kernels: None = on CUDA (launch-bound) only; True/False forces a form (tests, benches)
         self.few_kernels = few_kernels
-        self._static_step = None
+        self._graph_live = False  # the captured decode steps are running (engine/graph.py)
+        self._attended_acc: torch.Tensor | None = None  # their attended entries, summed on the device
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
+        self._row_bases: dict[tuple, torch.Tensor] = {}  # capacities and selections at the batch bucket's rows
         self._chosen: dict[int, torch.Tensor] = {}  # a filter layer's (policy.source) choice of prompt slots (OmniKV)
         self._static_pending = False  # engine.compile: the layers become static after this decode step
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
@@ -194,6 +206,8 @@ class CompressionSession:
         self.model.set_attn_implementation(self._orig_impl)
 
     def _pre_hook(self, module, args, kwargs):
+        if self._graph_live:  # the captured step: the layers are the session's static ones already
+            return
         cache = find_cache(kwargs)
         self._cache = cache
         self._layers[module.layer_idx] = None if cache is None else ensure_kv_layer(cache, module.layer_idx)
@@ -219,10 +233,7 @@ class CompressionSession:
     def _check_ragged(self) -> None:
         """Refuse, before any forward, what a method's ragged cache layers (``KVLayer.to_ragged``) cannot do."""
         why = None
-        if self.compile:
-            why = ("engine.compile=true runs fixed-capacity (B, H, slots, D) layers, and a ragged layer holds each "
-                   "head's kept entries flat, in different numbers; use engine.compile=false")
-        elif self.position_mode == "compact":
+        if self.position_mode == "compact":
             why = "position_mode=compact re-rotates the keys in place; use position_mode=original"
         if why is not None:
             self.__exit__()
@@ -231,16 +242,22 @@ class CompressionSession:
 
     def _to_static(self) -> None:
         """After prefill: every layer becomes a StaticKVLayer with the slots its decode steps need."""
-        from kvbench.engine.static import compiled_step
+        from kvbench.engine.graph import bucket
 
-        if self._static_step is None:
-            if isinstance(self.compile, str):  # a torch.compile backend by name ("eager": capture only, for tests)
-                self._static_step = compiled_step(self.compile, None)
-            else:  # CUDA graphs on a GPU (the host launches one graph per layer); inductor's kernels on a CPU
-                self._static_step = compiled_step(None, "reduce-overhead" if self.model.device.type == "cuda" else None)
         self._static.clear()
         self._chosen.clear()
+        self._row_bases.clear()
         self._static_pending = False
+        pool = slot_pool(self.model)
+        first = self._layers[min(self._attention_layers)]
+        b, device = first.keys.shape[0], first.keys.device
+        rows = bucket(b)  # every buffer at the captured step's batch bucket, allocated once
+        # a layer's slot count follows the prompt's length where the prompt is not compressed to a fixed size (FullKV,
+        # ratio budgets, prompts within the budget): each count would be a graph of its own (a recompile per sample of
+        # a LongBench job), so such counts are rounded up to SLOT_ROUND; the empty slots count in the resident bytes
+        lens = self.stats.prompt_lens or [0]
+        varies = self.budget.is_full or self.budget.kind == "ratio" or \
+            any(self.budget.tokens_for(n) >= n for n in lens)
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
@@ -252,43 +269,142 @@ class CompressionSession:
                 policy, caps = StaticPolicy("oldest"), [spec.window - 1] * len(caps)
             # an evicting layer needs one slot for the step's token, or more where a row may grow before it evicts (a
             # capacity above what the layer holds: D2O's rows that the official code never compresses)
-            grow = max(caps) + 1 - layer.keys.shape[2]
+            held = layer.num_entries  # a ragged layer: its longest head and the tail
+            grow = max(caps) + 1 - held
             extra = max(1, min(self._reserve, grow)) if policy.evict != "none" else max(1, self._reserve)
+            if varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
+                extra += -(held + extra) % SLOT_ROUND
             if policy.select == "pages":  # whole pages of slots; a page budget the slots can hold
-                extra += -(layer.keys.shape[2] + extra) % policy.page_size
-                slots = (layer.keys.shape[2] + extra) // policy.page_size
+                extra += -(held + extra) % policy.page_size
+                slots = (held + extra) // policy.page_size
                 policy = replace(policy, pages=min(policy.pages, slots + 1))
-            static = StaticKVLayer.from_layer(layer, extra, policy.accumulate)
+            static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
             if policy.select == "filter":  # its segment's sparse layers (later layers) read the same tensor
-                self._chosen[policy.source] = torch.zeros(static.keys.shape[0], 1, policy.prompt, dtype=torch.bool,
-                                                          device=static.keys.device)
+                chosen = pool.take(("chosen", policy.source), (rows, 1, policy.prompt), torch.bool, device)
+                self._chosen[policy.source] = self._row_base(("chosen", policy.source), chosen.zero_(), b)
             self._cache.layers[idx] = self._layers[idx] = static
-            capacity = torch.tensor(caps, device=static.keys.device).view(-1, 1, 1)
-            self._static[idx] = (policy, capacity)
+            capacity = pool.take(("capacity", idx), (rows, 1, 1), torch.long, device)
+            capacity[:b].copy_(torch.tensor(caps, device=device).view(-1, 1, 1))
+            self._static[idx] = (policy, self._row_base(("capacity", idx), capacity, b))
 
-    def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
+    def _row_base(self, key: tuple, base: torch.Tensor, rows: int) -> torch.Tensor:
+        """Remember ``base``, a buffer of the batch bucket's rows, for ``captured``; its first ``rows`` rows."""
+        self._row_bases[key] = base
+        return base[:rows]
+
+    def _view_rows(self, rows: int, pad_from: int | None = None) -> None:
+        """The capacities' and OmniKV's selections' buffers at their first ``rows`` rows (filling the rows after
+        ``pad_from`` with its last row's, as ``StaticKVLayer.pad_rows`` does)."""
+        for (kind, idx), base in self._row_bases.items():
+            if pad_from is not None and rows > pad_from:
+                base[pad_from:rows].copy_(base[pad_from - 1 : pad_from].expand(rows - pad_from, *base.shape[1:]))
+            if kind == "capacity":
+                self._static[idx] = (self._static[idx][0], base[:rows])
+            else:
+                self._chosen[idx] = base[:rows]
+
+    def _layer_step(self, layer, idx: int, query: torch.Tensor, scaling: float):
+        """One static layer's decode step (``engine.static.static_step``): the same function on the host-driven path
+        (the first decode step) and inside the captured step."""
         policy, capacity = self._static[idx]
         row_state = layer.row_state if policy.evict == "merge" or policy.select == "filter" else None
-        out, attended = self._static_step(
+        return static_step(
             layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity, query, scaling,
             policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg,
             policy.acc_agg, policy.merge, row_state,
             self._chosen.get(policy.source), policy.prompt, policy.top, policy.selector, policy.window_reading,
-            self.rope_inv_freq if policy.select == "filter" and policy.window_reading == "official_code" else None)
+            self.rope_inv_freq if policy.select == "filter" and policy.window_reading == "official_code" else None,
+            policy.merge_step, policy.choose)
+
+    def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
+        out, attended = self._layer_step(layer, idx, query, scaling)
         self._record_attended(attended, acts=idx in self._method_index)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
         return out, None
 
+    # ---- the captured decode step (engine/graph.py) ----------------------------------------------------------------
+    def can_capture(self) -> bool:
+        """Whether the next decode steps may run captured: ``engine.compile`` and every layer static already."""
+        return bool(self.compile) and bool(self._static) and not self._static_pending and self._checked_decode
+
+    def captured_step_function(self):
+        """The compiled whole step (``engine.graph.compiled_decode_step``): a torch.compile backend named by
+        ``compile`` (``"eager"``: capture only, for tests), else CUDA graphs on a GPU, inductor's kernels on a CPU."""
+        from kvbench.engine.graph import compiled_decode_step
+
+        if isinstance(self.compile, str) or callable(self.compile):
+            return compiled_decode_step(self.compile, None)
+        return compiled_decode_step(None, "reduce-overhead" if self.model.device.type == "cuda" else None)
+
+    def graph_cache(self):
+        return self._cache
+
+    @contextlib.contextmanager
+    def captured(self, rows: int, tensors: list[torch.Tensor]):
+        """While the captured steps run: the static layers at ``rows`` rows (a batch bucket), written by the step's
+        attention, every buffer a static address, the model on the ``kvbench_graph`` attention (no mask built, no
+        cache length read), the session's hooks idle (the first decode step checked what they check)."""
+        from kvbench.engine.graph import mark_static
+
+        layers = [self._layers[i] for i in sorted(self._attention_layers)]
+        real = layers[0].keys.shape[0]
+        for layer in layers:
+            layer.pad_rows(rows)
+            layer.captured = True
+        self._view_rows(rows, pad_from=real)
+        attended = slot_pool(self.model).take(("attended",), (), torch.long, layers[0].keys.device).zero_()
+        self._attended_acc = attended
+        mark_static([t for layer in layers for t in layer.buffers()] + list(self._chosen.values()) +
+                    [self._static[i][1] for i in self._static] + tensors + [attended])
+        impl = self.model.config._attn_implementation
+        self.model.set_attn_implementation(GRAPH_IMPL)
+        CAPTURED_SESSION.append(self)
+        self._graph_live = True
+        try:
+            yield
+        finally:
+            self._graph_live = False
+            CAPTURED_SESSION.remove(self)
+            self.model.set_attn_implementation(impl)
+            for layer in layers:
+                layer.captured = False
+                layer.keep_rows(real)
+            self._view_rows(real)
+            self.stats.attended_entries_sum = self.stats.attended_entries_sum + attended.clone()
+
+    def advance(self, steps: int) -> None:
+        """After ``steps`` captured steps: the host's counts (tokens seen per layer, layer calls) catch up."""
+        for idx in self._attention_layers:
+            self._layers[idx].seen += steps
+        self.stats.decode_layer_calls += steps * len(self._attention_layers)
+
+    def captured_attend(self, module, query, key, value, **kwargs):
+        """A layer of the captured step: the step's key/value into a free slot, then the layer's static step. Pure
+        tensor code; every tensor it writes was allocated before the first step."""
+        idx = module.layer_idx
+        layer = self._layers[idx]
+        position_ids = kwargs["position_ids"]
+        layer.write_step(key, value, position_ids.view(position_ids.shape[0], -1)[:, -1:])
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        out, attended = self._layer_step(layer, idx, query, scaling)
+        self._attended_acc.add_(attended)
+        return out, None
+
     # ---- compression is verified, never assumed -----------------------------------------------------------------
     def _start_forward(self, module, args, kwargs):
+        if self._graph_live:
+            return
         self._attached.clear()
         self._use_cache = kwargs.get("use_cache")
 
     def _check_forward(self, module, args, kwargs, output):
         """After every forward of the model: a cached forward must have attended through a KVLayer on every attention
         layer. A transformers release that passes the cache under a new name, or an architecture whose attention does
-        not go through ``AttentionInterface``, stops the job here instead of running FullKV under the method's name."""
+        not go through ``AttentionInterface``, stops the job here instead of running FullKV under the method's name.
+        The captured steps are not checked here: the first decode step, host-driven, was (``captured``)."""
+        if self._graph_live:
+            return
         if self._use_cache is False or (self._use_cache is None and output_cache(output) is None):
             return  # no cache: nothing to compress (a scoring forward)
         missing = sorted(self._attention_layers - self._attached)

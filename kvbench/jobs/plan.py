@@ -23,6 +23,9 @@ class Job:
     spec: Any
     key: dict[str, Any]
     parts: tuple[str, str, str, str]
+    #: how decode steps run, resolved from engine.decode / engine.compile: "graph" (one captured step per token,
+    #: kvbench/engine/graph.py) or "eager" (the host-driven per-layer path)
+    decode: str = "eager"
 
     @property
     def budget_label(self) -> str:
@@ -76,6 +79,7 @@ def plan_job(cfg: DictConfig) -> Job:
         raise ConfigError(f"method {method.name!r} is defined per sequence; use batch_size=1 (got {cfg.batch_size})")
     task = _follow_turns(cfg, task)
     question, turns, history = _question_protocol(cfg, task, method)
+    decode = resolve_decode(cfg, method, budget, task, spec, question)
     label = method.budget_label(budget) or budget.label()  # POD's window, not the unused budget, names its jobs
     model_key = {k: v for k, v in asdict(spec).items() if k not in ("device", "notes")}
     key = {
@@ -87,14 +91,15 @@ def plan_job(cfg: DictConfig) -> Job:
         "position_mode": cfg.position_mode,
         # the default (auto) is left out of the key: results stored before the option existed keep their hash
         **({"sliding_layers": sliding_layers} if sliding_layers != "auto" else {}),
-        **({"engine_compile": True} if _engine_compile(cfg) else {}),  # one slot more per layer: other bytes
+        # the captured decode's fixed-capacity layers hold other bytes (one slot more per layer, rounded slot counts)
+        **({"engine_compile": True} if decode == "graph" else {}),
         # left out at their defaults (with_context, one turn): results stored before the options existed keep their hash
         **({"question": question} if question != "with_context" else {}),
         **({"turns": turns, "turn_history": history} if turns > 1 else {}),
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
     }
-    return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, label))
+    return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, label), decode)
 
 
 QUESTION_MODES = ("with_context", "after_compression")
@@ -154,9 +159,6 @@ def _question_protocol(cfg: DictConfig, task: Any, method: Any) -> tuple[str, in
     if cfg.batch_size != 1:
         raise ConfigError(f"question=after_compression runs one sequence at a time; use batch_size=1 "
                           f"(got {cfg.batch_size})")
-    if _engine_compile(cfg):
-        raise ConfigError("question=after_compression feeds a multi-token forward after prefill, which "
-                          "engine.compile's static decode step does not take; use engine.compile=false")
     if turns > 1 and history == "rollback" and (method.decode_state_outside_cache or method.needs_logits):
         raise ConfigError(f"turn_history=rollback restores the cache layers only; method {method.name!r} keeps decode "
                           "state outside them; use turn_history=keep")
@@ -205,4 +207,56 @@ def _engine_compile(cfg: DictConfig) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"engine.compile={value!r} must be true or false")
     return value
+
+
+DECODE_MODES = ("auto", "graph", "eager")
+
+
+def resolve_decode(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec: Any, question: str) -> str:
+    """``engine.decode``: ``graph`` (one captured step per token), ``eager`` (the host-driven path) or ``auto`` (graph
+    where the model runs on CUDA and the job can take it, with one log line where it cannot; eager on a CPU, where
+    a captured step saves nothing). ``engine.compile=true`` is ``engine.decode=graph``. A graph the job cannot take
+    is refused in one line, before any model loads."""
+    import logging
+
+    mode = (cfg.get("engine") or {}).get("decode", "auto")
+    if mode not in DECODE_MODES:
+        raise ConfigError(f"engine.decode={mode!r} is not valid; valid: {', '.join(DECODE_MODES)}")
+    if _engine_compile(cfg):
+        if mode == "eager":
+            raise ConfigError("engine.compile=true is engine.decode=graph; it contradicts engine.decode=eager")
+        mode = "graph"
+    if mode == "eager":
+        return "eager"
+    why = _no_graph(cfg, method, budget, task, question)
+    if mode == "graph":
+        if why is not None:
+            setting = "engine.compile=true" if _engine_compile(cfg) else "engine.decode=graph"
+            instead = "engine.compile=false" if _engine_compile(cfg) else "engine.decode=eager"
+            raise ConfigError(f"{setting}: {why}; use {instead}")
+        return "graph"
+    from kvbench.models import resolve_device
+
+    if resolve_device(spec.device) != "cuda":
+        return "eager"
+    if why is not None:
+        logging.getLogger("kvbench").info("engine.decode=auto decodes on the host-driven path: %s", why)
+        return "eager"
+    return "graph"
+
+
+def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, question: str) -> str | None:
+    """Why this job's decode cannot be one captured step per token, or None."""
+    from kvbench.tasks.base import Task
+
+    if question != "with_context":
+        return ("question=after_compression feeds a multi-token forward after prefill, which the captured decode "
+                "step does not take")
+    if type(task).evaluate is not Task.evaluate:
+        return f"task {task.name!r} runs its own forwards (teacher forcing or its own generation loop)"
+    if cfg.position_mode == "compact":
+        return "position_mode=compact re-rotates the kept keys at every step on the host"
+    if not budget.is_full and method.static_policy(1 << 30) is None:
+        return f"method {method.name!r} has no captured decode step ({method.static_refusal()})"
+    return None
 

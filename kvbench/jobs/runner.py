@@ -74,7 +74,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             return CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode,
                                       tokenizer=loaded.tokenizer,
                                       sliding_layers=cfg.get("sliding_layers", "auto"),
-                                      compile=bool((cfg.get("engine") or {}).get("compile", False)))
+                                      compile=job.decode == "graph")
 
         strict = bool(cfg.get("strict", False))
         jobdir.clear_errors()

@@ -37,6 +37,7 @@ from kvbench.methods.d2o_ops import (
     official_gate,
     official_ratios,
     official_sizes,
+    static_merge_evict,
 )
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
@@ -262,7 +263,8 @@ class D2O(Method):
         official = self.variant == "official_code"
         weights = "official" if official else self.merge_weights
         return StaticPolicy("merge", accumulate=True, acc_agg=self.group_agg,
-                            merge=(self.beta, self.similarity_feature, weights, self.merge_score == "add", official))
+                            merge=(self.beta, self.similarity_feature, weights, self.merge_score == "add", official),
+                            merge_step=static_merge_evict)
 
     def static_after_first_step(self) -> bool:
         return self.variant == "official_code"

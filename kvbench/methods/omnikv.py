@@ -16,7 +16,7 @@ import torch
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive
-from kvbench.methods.omnikv_select import select_by_last_query, select_by_window
+from kvbench.methods.omnikv_select import select_by_last_query, select_by_window, static_choice
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -230,7 +230,7 @@ class OmniKV(Method):
             return StaticPolicy()  # every layer attends densely (the default path's ``_choose`` gives None)
         if layer_idx in self.filters(num_layers):
             return StaticPolicy(select="filter", source=layer_idx, prompt=n, top=self.selected_tokens(n, num_layers),
-                                selector=self.selector, window_reading=self.window_reading)
+                                selector=self.selector, window_reading=self.window_reading, choose=static_choice)
         source = self._segment_filter(layer_idx, num_layers)
         return StaticPolicy() if source is None else StaticPolicy(select="segment", source=source, prompt=n)
 

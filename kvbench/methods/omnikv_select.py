@@ -102,3 +102,20 @@ def _logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` highest ``scores`` ``(B, n)``, in position order."""
     return torch.topk(scores, k, dim=-1).indices.sort(-1).values
+
+
+def static_choice(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                  row_state: dict[str, torch.Tensor], chosen: torch.Tensor, scaling: float, prompt: int, top: int,
+                  selector: str, window_reading: str, rope_inv_freq: torch.Tensor | None) -> None:
+    """OmniKV's filter layer on a static layer (``engine.static.static_step``'s ``choose``): the ``top`` of the
+    ``prompt`` first slots of ``keys`` ``(B, Hkv, C, D)`` by this step's ``query`` (``selector="last"`` /
+    ``softmax_before_last``), or by the window of recent queries in ``row_state`` (``uniform`` / ``exp``), written into
+    ``chosen`` ``(B, 1, prompt)`` in place: the selection its segment's sparse layers attend."""
+    if selector in ("uniform", "exp"):
+        newest = positions[:, 0].masked_fill(~valid[:, 0], -1).amax(-1)  # (B,): this step's token
+        slide_window(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], query, newest)
+        chosen.copy_(window_choice(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], keys[:, :, :prompt],
+                                   scaling, top, selector, window_reading, rope_inv_freq).unsqueeze(1))
+    else:
+        index = select_by_last_query(query, keys[:, :, :prompt], scaling, top, softmax=selector != "last")
+        chosen.copy_(torch.zeros_like(chosen).scatter_(-1, index.unsqueeze(1), True))

@@ -1,0 +1,143 @@
+"""One captured decode step per token: the model's whole forward, the method's step inside it, the greedy choice.
+
+Batch-1 decode of an 8B model on a GPU is bound by launches and host work (reference/gpu.md): capturing one layer's
+attention at a time leaves every projection, norm and MLP, and the Python between them, on the host. Here the whole
+step is one function, compiled once with ``torch.compile(fullgraph=True)`` (on CUDA ``mode="reduce-overhead"``: one
+CUDA graph replayed per token):
+
+* the step reads its token and position from, and writes the next ones into, buffers allocated once per generation
+  (``StepBuffers``), as it writes keys and values into the session's fixed-capacity cache layers
+  (``engine.static.StaticKVLayer``): every tensor it mutates is allocated before the first step and marked a static
+  address for the compiler, so nothing is copied into or out of the graph per step;
+* the model runs with the ``kvbench_graph`` attention implementation, for which transformers builds no mask and reads
+  no cache length: each layer's attention is the session's ``captured_attend`` (write the step's key/value into a free
+  slot, then ``engine.static.static_step``: attention over the valid slots and the method's own step — score
+  accumulation, eviction, merge, page or filter selection — all device tensors);
+* nothing is read back inside a step: the generated tokens accumulate on the device and the host reads them every
+  ``read_every`` steps (EOS, task stop strings, the token limit), then trims what follows a row's end, so the tokens
+  equal the host-driven loop's;
+* a batch runs at its bucket (1, 2, 4, 8, 16, ...): extra rows repeat the last row and are dropped, so a sweep
+  captures a handful of graphs, not one per batch size.
+
+The first decode step of a generation runs on the host-driven path (``CompressionSession``'s per-layer attention), where
+the session checks that the method compressed (compression is verified, never assumed) and D2O's official reading
+compresses the prompt; every later step is the captured one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.engine.compat import cache_kwargs
+from kvbench.engine.static import slot_pool
+
+#: host reads of the generated tokens: every this many captured steps (the EOS / stop-string check's period)
+READ_EVERY = 16
+#: the batch buckets a captured step runs at (then multiples of the largest)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(rows: int) -> int:
+    """The batch a captured step runs at for ``rows`` rows."""
+    for size in BUCKETS:
+        if rows <= size:
+            return size
+    return -(-rows // BUCKETS[-1]) * BUCKETS[-1]
+
+
+@dataclass
+class StepBuffers:
+    """What a captured step reads and writes besides the cache, allocated once per generation (static addresses):
+    ``tokens`` ``(B, 1)`` the step's input ids, ``positions`` ``(B, 1)`` their positions, ``generated`` ``(B, T)`` the
+    chosen ids by step, ``step`` ``()`` the next column of ``generated``."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    generated: torch.Tensor
+    step: torch.Tensor
+
+    @classmethod
+    def allocate(cls, tokens: torch.Tensor, positions: torch.Tensor, rows: int, steps: int,
+                 take: Callable[[str, tuple, torch.dtype], torch.Tensor]) -> StepBuffers:
+        """Buffers of ``rows`` rows from ``take`` (the model's ``SlotPool``: the same addresses every generation of the
+        same bucket and length), holding ``tokens`` ``(B,)`` and ``positions`` ``(B, 1)``, the last row repeated."""
+        def fill(name: str, t: torch.Tensor) -> torch.Tensor:
+            t = t.reshape(-1, 1)
+            base = take(name, (rows, 1), torch.long)
+            base.copy_(torch.cat([t, t[-1:].expand(rows - t.shape[0], 1)]))
+            return base
+
+        return cls(fill("tokens", tokens), fill("positions", positions),
+                   take("generated", (rows, max(steps, 1)), torch.long), take("step", (), torch.long).zero_())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tokens, self.positions, self.generated, self.step]
+
+
+def decode_step(model, cache_kw: dict, buffers: StepBuffers) -> None:
+    """One greedy decode step of ``model`` over the buffers and the cache, in place: no input, no output, no host read
+    (the function ``compiled_decode_step`` captures)."""
+    out = model(input_ids=buffers.tokens, position_ids=buffers.positions, use_cache=True, logits_to_keep=1,
+                **cache_kw)
+    chosen = out.logits[:, -1, :].argmax(-1).unsqueeze(-1)  # (B, 1)
+    buffers.tokens.copy_(chosen)
+    buffers.positions.add_(1)
+    buffers.generated.index_copy_(1, buffers.step.view(1), chosen)
+    buffers.step.add_(1)
+
+
+@functools.cache
+def compiled_decode_step(backend: str | None, mode: str | None):
+    """``decode_step`` compiled once per (backend, mode) for the process: every session of every method shares it (a
+    graph per model, batch bucket, cache capacity and method step, told apart by dynamo's guards); the limit of
+    graphs per function is raised for processes that decode with many methods (a test session, a sweep worker)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7: the old name
+    setattr(config, name, max(getattr(config, name), 256))
+    # a method's float hyperparameters (D2O's beta) stay constants of their graph: torch 2.6 otherwise turns a float
+    # that differs between two compiled calls into a 0-d tensor read back with .item(), which fullgraph refuses
+    config.specialize_float = True
+    options = {"backend": backend} if backend is not None else {"mode": mode}
+    return torch.compile(decode_step, fullgraph=True, dynamic=False, **options)
+
+
+def mark_static(tensors: list[torch.Tensor]) -> None:
+    """Tell the compiler these tensors keep their address for the graph's life (CUDA graphs then read and write them
+    in place instead of copying them in and out of the graph's own memory at every replay)."""
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)
+
+
+def read_chosen(buffers: StepBuffers, rows: int, start: int, end: int) -> list[list[int]]:
+    """The ids chosen by steps ``[start, end)`` of the first ``rows`` rows: the captured loop's only host read."""
+    return buffers.generated[:rows, start:end].tolist()
+
+
+def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.Tensor, steps: int,
+                      take: Callable[[list[list[int]]], bool], read_every: int | None = None) -> int:
+    """Run up to ``steps`` captured decode steps after ``next_token`` ``(B,)`` at positions ``last_pos`` ``(B, 1)``
+    (the token the host-driven loop would feed next, and the position before it), handing the host the chosen ids
+    every ``read_every`` steps as ``take(columns)`` (per row, in step order), which returns True when every row has
+    ended. Returns the number of steps run (the last read may include up to ``read_every - 1`` steps past the end)."""
+    read_every = read_every or READ_EVERY
+    rows = next_token.shape[0]
+    pool = slot_pool(model).taker(("step",), next_token.device)
+    buffers = StepBuffers.allocate(next_token, last_pos + 1, bucket(rows), steps, pool)
+    fn = session.captured_step_function()
+    done = 0
+    with session.captured(bucket(rows), buffers.tensors()):
+        kw = cache_kwargs(model, session.graph_cache())
+        while done < steps:
+            chunk = min(read_every, steps - done)
+            for _ in range(chunk):
+                fn(model, kw, buffers)
+            session.advance(chunk)
+            columns = read_chosen(buffers, rows, done, done + chunk)
+            done += chunk
+            if take(columns):
+                break
+    return done
