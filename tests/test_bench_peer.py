@@ -8,6 +8,7 @@ import json
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from kvbench.bench.run import _run, expand, judge, targets_markdown
 from kvbench.config import CONF_DIR
@@ -175,3 +176,33 @@ def test_the_floor_targets_plot(tmp_path):
     verdicts = judge(_rows(), [{"name": "floor", "metric": "decode_ms_per_token", "context_length": 8192,
                                 "methods": ["fullkv", "snapkv"], "max_floor_ratio": 1.5}], None)
     assert targets_plot(verdicts, tmp_path, "t")
+
+
+def test_gpu_targets_states_the_issues_targets(tmp_path):
+    """gpu_targets: batch 1 (six methods and both peers) and batch 16 (FullKV, SnapKV) at 8k, the floor on; its
+    targets judge reference/gpu.md's H200 measurement of kvbench's default path (FullKV 25.86 ms against the static
+    compiled peer's 10.19, floors from its arithmetic: 4.0 ms at batch 1, 7.7 at batch 16) as the misses it was."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["bench=gpu_targets", f"paths.results_dir={tmp_path}"])
+    cells = [(c["method"], c["batch_size"]) for c in expand(cfg.bench)]
+    assert cells == [(m, 1) for m in ("fullkv", "snapkv", "streamingllm", "h2o", "tova", "d2o",
+                                       "transformers_dynamic", "transformers_static_compiled")] + [
+        ("fullkv", 16), ("snapkv", 16)]
+    assert cfg.bench.floor.copy_mib == 1024 and cfg.bench.warmup == 2 and cfg.bench.repeats == 3
+
+    def row(method, batch, ms, floor_ms):
+        return {"method": method, "budget": "full" if method == "fullkv" else "128", "context_length": 8192,
+                "batch_size": batch, "decode_ms_per_token": ms, "decode_tokens_per_s": batch * 1000 / ms,
+                "floor_ms_per_token": floor_ms, "resident_kv_bytes": 128, "budget_kv_bytes": 128}
+
+    h200 = [row(m, 1, ms, 4.0) for m, ms in (("fullkv", 25.86), ("snapkv", 24.72), ("streamingllm", 24.48),
+                                             ("h2o", 33.0), ("tova", 31.8), ("d2o", 62.4),
+                                             ("transformers_dynamic", 18.1), ("transformers_static_compiled", 10.19))]
+    h200 += [row("fullkv", 16, 35.57, 7.7), row("snapkv", 16, 34.03, 3.8)]
+    verdicts = judge(h200, OmegaConf.to_container(cfg.bench.targets), None)
+    assert [(v["method"], v["batch_size"], v.get("ratio"), v["ok"]) for v in verdicts] == [
+        ("fullkv", 1, 2.538, False), ("fullkv", 1, 6.465, False),
+        ("snapkv", 1, 0.956, True), ("streamingllm", 1, 0.947, True), ("h2o", 1, 1.276, False),
+        ("tova", 1, 1.23, False), ("d2o", 1, 2.413, False),
+        ("snapkv", 16, 1.045, False), ("fullkv", 16, 4.619, False),
+        *((m, 1, None, True) for m in ("snapkv", "streamingllm", "h2o", "tova", "d2o"))]
