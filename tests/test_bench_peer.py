@@ -206,3 +206,43 @@ def test_gpu_targets_states_the_issues_targets(tmp_path):
         ("tova", 1, 1.23, False), ("d2o", 1, 2.413, False),
         ("snapkv", 16, 1.045, False), ("fullkv", 16, 4.619, False),
         *((m, 1, None, True) for m in ("snapkv", "streamingllm", "h2o", "tova", "d2o"))]
+
+
+def test_the_peers_run_after_every_kvbench_cell(tmp_path, monkeypatch):
+    """gpu_targets end to end on the tiny model with stand-in timings: the batch-16 grid's kvbench cells are measured
+    before grid 0's peers (the static peer's compile and CUDA graph pools stay out of kvbench's numbers), and every
+    target finds its rows."""
+    import kvbench.bench.measure as measure
+    import kvbench.bench.peer as peer_module
+    from kvbench.bench.measure import CellResult
+    from kvbench.bench.peer import PeerResult
+
+    order = []
+
+    def cell(loaded, method, budget, length, batch, metrics, *args, **kwargs):
+        order.append((method.name, batch))
+        ms = 1000.0 if method.name == "fullkv" else 500.0
+        return CellResult(decode_ms_per_token=ms, decode_tokens_per_s=batch * 1000 / ms, decode_steps=3,
+                          resident_kv_bytes=budget.tokens_for(length) * batch * TINY_KV_PER_TOKEN)
+
+    def peer(loaded, name, length, batch, *args, **kwargs):
+        order.append((name, batch))
+        return PeerResult(3.0, 1000 / 3, 4, [0.012], "dynamic", False, None)
+
+    monkeypatch.setattr(measure, "measure_cell", cell)
+    monkeypatch.setattr(peer_module, "measure_peer", peer)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("bench", overrides=["model=tiny-random", "bench=gpu_targets", f"paths.results_dir={tmp_path}",
+                                          "bench.compile=false", "bench.floor.copy_mib=8",
+                                          "bench.grids.0.metrics=[decode]", "bench.grids.0.context_lengths=[256]",
+                                          "bench.grids.1.context_lengths=[256]",
+                                          *(f"bench.targets.{i}.context_length=256" for i in range(6))])
+    rows = _run(cfg)
+    assert order == [(m, 1) for m in ("fullkv", "snapkv", "streamingllm", "h2o", "tova", "d2o")] + [
+        ("fullkv", 16), ("snapkv", 16), ("transformers_dynamic", 1), ("transformers_static_compiled", 1)]
+    assert all(r["floor_ms_per_token"] > 0 for r in rows)  # ~2-3 ms here: 13 MB of weights at a CPU's bandwidth
+    verdicts = json.loads((tmp_path / "bench" / "tiny-random" / "gpu_targets" / "cpu" / "targets.json").read_text())
+    assert [(v["method"], v["batch_size"], v["ok"]) for v in verdicts["targets"][:9]] == [
+        ("fullkv", 1, False), ("fullkv", 1, False), *((m, 1, True) for m in ("snapkv", "streamingllm", "h2o", "tova",
+                                                                            "d2o")),
+        ("snapkv", 16, True), ("fullkv", 16, False)]
