@@ -246,3 +246,31 @@ def test_the_peers_run_after_every_kvbench_cell(tmp_path, monkeypatch):
         ("fullkv", 1, False), ("fullkv", 1, False), *((m, 1, True) for m in ("snapkv", "streamingllm", "h2o", "tova",
                                                                             "d2o")),
         ("snapkv", 16, True), ("fullkv", 16, False)]
+
+
+def test_the_static_peer_compiles_on_a_fresh_cache_per_cell(toy_llama):
+    """The static compiled peer, unit-sized: transformers compiles its decode (on a CPU only because the bench sets
+    ``_compile_all_devices``), and a cell's static cache is sized to that cell's prompt + new tokens, not to the largest
+    earlier call on the model (transformers keeps ``_previous_max_cache_length`` across calls)."""
+    from types import SimpleNamespace
+
+    from kvbench.bench.peer import measure_peer
+
+    class Tokenizer:  # the essays as byte-ish ids inside the toy model's 256-token vocabulary
+        pad_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return SimpleNamespace(input_ids=[3 + ord(c) % 250 for c in text])
+
+    loaded = SimpleNamespace(model=toy_llama, tokenizer=Tokenizer())
+    toy_llama._previous_max_cache_length = 5000  # as if an earlier cell had generated after a 5k prompt
+    try:
+        got = measure_peer(loaded, "transformers_static_compiled", 64, 2, new_tokens=4, warmup=1, repeats=1,
+                           compile_options={"backend": "eager"})
+        assert (got.peer_cache, got.peer_compiled, got.decode_steps) == ("static", True, 4)
+        assert got.peer_compile_config["mode"] == "reduce-overhead"  # transformers' default, kept
+        assert toy_llama._previous_max_cache_length == 64 + 4  # prompt + new tokens, the last one never cached
+        assert got.decode_tokens_per_s == pytest.approx(2 * 1000 / got.decode_ms_per_token, rel=1e-3)
+    finally:
+        for name in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
+            toy_llama.__dict__.pop(name, None)

@@ -101,6 +101,9 @@ def measure_peer(loaded, peer: str, context_length: int, batch_size: int, new_to
         compile_config = _compile_config(device, compile_options)
         kwargs.update(cache_implementation="static", compile_config=compile_config)
         model.__dict__.pop("_compiled_call", None)  # so that peer_compiled says what this cell's generate did
+        # generate sizes a new static cache to the largest of every earlier call on this model: an earlier, longer
+        # cell would leave this one a larger cache (more bytes per step) than a fresh process gives it
+        model.__dict__.pop("_previous_max_cache_length", None)
 
     def timed(new: int) -> float:
         _sync(device)
