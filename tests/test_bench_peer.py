@@ -247,6 +247,14 @@ def test_the_peers_run_after_every_kvbench_cell(tmp_path, monkeypatch):
                                                                             "d2o")),
         ("snapkv", 16, True), ("fullkv", 16, False)]
 
+    order.clear()
+    assert _run(cfg) == rows and order == []  # resumed: nothing measured
+    cfg.rerun = True  # measures the peers again too, and the store keeps one row per cell
+    _run(cfg)
+    assert order[-2:] == [("transformers_dynamic", 1), ("transformers_static_compiled", 1)] and len(order) == 10
+    store = tmp_path / "bench" / "tiny-random" / "gpu_targets" / "cpu" / "cells.jsonl"
+    assert len(store.read_text().splitlines()) == 10
+
 
 def test_the_static_peer_compiles_on_a_fresh_cache_per_cell(toy_llama):
     """The static compiled peer, unit-sized: transformers compiles its decode (on a CPU only because the bench sets
