@@ -180,7 +180,8 @@ def test_every_bench_config_expands(tmp_path, name):
 
     cfg = _cfg(tmp_path, f"bench={name}")
     cells = expand(cfg.bench)
-    assert cells and all(c["method"] in METHODS.names() for c in cells)
+    assert cells and all(c["method"] in METHODS.names() for c in cells if not c.get("peer"))
+    assert all(c["method"].startswith("transformers_") for c in cells if c.get("peer"))  # the peers: plain generate
     if name == "d2o_table12":  # 256+512 ... 2048+4096: generation twice the prompt
         assert [(c["context_length"], c["new_tokens"]) for c in cells] == [(256, 512), (512, 1024), (1024, 2048),
                                                                             (2048, 4096)]

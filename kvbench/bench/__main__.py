@@ -2,8 +2,8 @@
 
 Cells (method x budget x context length x batch size, per grid of ``conf/bench/<name>.yaml``) are appended to
 ``<results_dir>/bench/<model>/<bench>/<device>/cells.jsonl`` as they finish (a rerun resumes; ``rerun=true``
-measures again), then written as ``cells.csv`` with ``targets.md`` / ``targets.json`` (each target's ratio to FullKV
-beside its bound).
+measures again), then written as ``cells.csv`` with ``targets.md`` / ``targets.json`` (each target's ratio to FullKV,
+to a peer row of plain transformers or to the cell's floor, beside its bound; ``README.md``).
 """
 
 from __future__ import annotations

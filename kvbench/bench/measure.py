@@ -24,6 +24,7 @@ import torch
 
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate
+from kvbench.engine.static import release_slot_pool
 from kvbench.methods import Method
 
 
@@ -230,6 +231,7 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         result.resident_kv_bytes_final = outs[-1].resident_kv_bytes_final
         if result.resident_kv_bytes is None:
             result.resident_kv_bytes = session.stats.resident_kv_bytes_after_prefill
+        release_slot_pool(model)  # the captured decode's buffers stay out of the next cell's memory
     return result
 
 

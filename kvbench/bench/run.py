@@ -3,10 +3,17 @@
 A bench config (``conf/bench/<name>.yaml``) is data: ``grids`` (each: ``metrics`` among prefill / memory / decode /
 max_batch, ``methods``, ``budgets`` (FullKV's are ignored), ``context_lengths``, ``batch_sizes``, optional
 ``new_tokens`` and ``repeats`` (else the bench's), ``method_overrides``, ``memory_limit_gb`` for max_batch, and
-``paired: true`` to time each method's prefill alternately with FullKV's) and ``targets`` (each: ``metric``,
-``context_length``, ``methods``, and ``max_ratio`` / ``min_ratio`` against FullKV at the same context length and batch
-size, or ``equals_budget``, or ``max_budget_ratio``: the value at most that many times the budget's bytes). A prefill
+``paired: true`` to time each method's prefill alternately with FullKV's, and ``peers``: plain transformers rows
+timed at the grid's context lengths and batch sizes, ``transformers_dynamic`` / ``transformers_static_compiled``,
+``bench.peer.py``) and ``targets`` (each: ``metric``, ``context_length``, ``methods`` (a peer's name too), optional
+``batch_sizes``, and ``max_ratio`` / ``min_ratio`` against ``baseline`` (default FullKV; any method or peer row) at the
+same context length and batch size, or ``equals_budget``, or ``max_budget_ratio``: the value at most that many times
+the budget's bytes, or ``max_floor_ratio``: decode ms per step at most that many times the cell's floor). A prefill
 target on a paired cell uses the median of the per-pair ratios.
+
+``floor: {copy_mib, warmup, repeats}`` (bench level) measures the device's copy bandwidth once per run
+(``floor.json``) and gives every decode row its floor: ``(weight bytes + resident KV bytes) / bandwidth``.
+``peer_compile`` (bench level) passes options to the static peer's ``transformers.CompileConfig``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.bench.peer import check_peer
 from kvbench.budget import Budget
 from kvbench.config import CONF_DIR
 from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
@@ -61,14 +69,16 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                               f"non-empty list of {', '.join(METRICS)}")
         if "max_batch" in grid["metrics"] and not grid.get("memory_limit_gb"):
             raise ConfigError(f"bench {bench.name!r} grid {index}: max_batch needs memory_limit_gb")
-        for method in grid["methods"]:
+        peers = [check_peer(p) for p in grid.get("peers") or []]
+        if peers and "decode" not in grid["metrics"]:
+            raise ConfigError(f"bench {bench.name!r} grid {index}: peers {peers} time decode only; add decode to the "
+                              f"grid's metrics")
+        for method in grid.get("methods") or []:
             for raw_budget in grid["budgets"]:
                 budget = Budget.parse(None if method == "fullkv" else raw_budget)  # FullKV ignores budgets
                 for length in grid["context_lengths"]:
                     for batch in grid.get("batch_sizes", [1]):
-                        if not isinstance(length, int) or length < 1 or not isinstance(batch, int) or batch < 1:
-                            raise ConfigError(f"bench {bench.name!r} grid {index}: context length {length!r} and "
-                                              f"batch size {batch!r} must be positive integers")
+                        _check_shape(bench, index, length, batch)
                         key = (method, budget.label(), length, batch)
                         if key in seen:  # one cell, measured once: an earlier grid's cell takes this grid's metrics too
                             cell = seen[key]
@@ -83,7 +93,25 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                                       "new_tokens": grid.get("new_tokens", bench.new_tokens),
                                       "repeats": grid.get("repeats", bench.repeats)}
                         cells.append(seen[key])
+        for peer in peers:  # plain transformers generate on the same prompts: decode only, no budget
+            for length in grid["context_lengths"]:
+                for batch in grid.get("batch_sizes", [1]):
+                    _check_shape(bench, index, length, batch)
+                    key = (peer, "full", length, batch)
+                    if key not in seen:
+                        seen[key] = {"method": peer, "peer": True, "budget": Budget.parse(None),
+                                      "context_length": length, "batch_size": batch, "metrics": ["decode"],
+                                      "overrides": None, "memory_limit_gb": None, "paired": False,
+                                      "new_tokens": grid.get("new_tokens", bench.new_tokens),
+                                      "repeats": grid.get("repeats", bench.repeats)}
+                        cells.append(seen[key])
     return cells
+
+
+def _check_shape(bench: DictConfig, index: int, length: Any, batch: Any) -> None:
+    if not isinstance(length, int) or length < 1 or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"bench {bench.name!r} grid {index}: context length {length!r} and batch size {batch!r} "
+                          f"must be positive integers")
 
 
 def _cell_key(row: dict[str, Any]) -> tuple:
@@ -102,6 +130,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     import torch
 
     from kvbench.bench.measure import max_batch, measure_cell, samples_per_minute
+    from kvbench.bench.peer import measure_peer
     from kvbench.bench.probe import probe_in_subprocess, request
     from kvbench.methods import build_method
     from kvbench.models import load_model, spec_from_config
@@ -111,11 +140,14 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     spec = spec_from_config(cfg.model)
     methods = {}
     for cell in cells:  # every method builds and validates before the model loads
+        if cell.get("peer"):
+            continue
         try:
             methods[(cell["method"], cell["budget"].label())] = build_method(
                 method_config(cell["method"], cell["overrides"]), cell["budget"])
         except NotAvailableError as exc:
             log.warning("skipping %s: %s", cell["method"], exc)
+    floor = _Floor(bench.get("floor"))
     fullkv = (build_method(method_config("fullkv", None), Budget.parse(None)), Budget.parse(None))
     torch.manual_seed(cfg.seed)
     loaded = load_model(spec)
@@ -126,11 +158,14 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     rows = [json.loads(x) for x in store.read_text().splitlines() if x] if store.exists() else []
     context = {"model": spec.name, "device": device, "dtype": spec.dtype, "threads": torch.get_num_threads()}
     compile_decode = bool(bench.get("compile", False))
-    if compile_decode:  # engine.compile's decode (kvbench/engine/static.py); left out of rows measured without it
+    if compile_decode:  # the captured decode (engine.decode=graph); left out of rows measured without it
         context["compile"] = True
+    # a peer row is plain transformers: kvbench's decode path (compile) does not apply to it
+    peer_context = {k: v for k, v in context.items() if k != "compile"}
     if cfg.rerun:  # measure this run's cells again; the store keeps every other cell (e.g. grids not in only_grids)
-        again = {_cell_key({**context, "method": c["method"], "budget": c["budget"].label(),
-                            "context_length": c["context_length"], "batch_size": c["batch_size"]}) for c in cells}
+        again = {_cell_key({**(peer_context if c.get("peer") else context), "method": c["method"],
+                            "budget": c["budget"].label(), "context_length": c["context_length"],
+                            "batch_size": c["batch_size"]}) for c in cells}
         rows = [r for r in rows if _cell_key(r) not in again]
         tmp = store.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -138,8 +173,30 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     done = {_cell_key(r) for r in rows}
     # CPU peaks are RSS high-water marks: a fresh process per measurement (kvbench.bench.probe), never this one's
     isolate = device.startswith("cpu")
+    floor.bind(loaded, out_dir)
+    # the peers run after every kvbench cell: the static peer's compile (CUDA graph pools, dynamo caches) stays out of
+    # kvbench's numbers
     with store.open("a") as f:
-        for cell in cells:
+        for cell in [c for c in cells if not c.get("peer")] + [c for c in cells if c.get("peer")]:
+            if cell.get("peer"):
+                row = {**peer_context, "method": cell["method"], "budget": "full",
+                       "context_length": cell["context_length"], "batch_size": cell["batch_size"]}
+                if _cell_key(row) in done:
+                    continue
+                log.info("measuring peer %s, %d tokens, batch %d", row["method"], row["context_length"],
+                         row["batch_size"])
+                row.update(measure_peer(loaded, cell["method"], cell["context_length"], cell["batch_size"],
+                                        cell["new_tokens"], bench.warmup, cell["repeats"],
+                                        OmegaConf.to_container(bench.peer_compile) if bench.get("peer_compile")
+                                        else None).as_dict())
+                # the peer's cache is dense: the prompt's K and V, as FullKV's after prefill
+                row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
+                row.update(floor.fields(budget_bytes(loaded, Budget.parse(None), cell["context_length"],
+                                                     cell["batch_size"]), row.get("decode_ms_per_token")))
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                rows.append(row)
+                continue
             method = methods.get((cell["method"], cell["budget"].label()))
             if method is None:
                 continue
@@ -185,14 +242,20 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
                     row["samples_per_minute_at_max_batch"] = row["samples_per_minute"]
             row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
             row["budget_kv_bytes"] = budget_bytes(loaded, cell["budget"], cell["context_length"], cell["batch_size"])
+            if "decode" in cell["metrics"]:
+                row.update(floor.fields(row.get("resident_kv_bytes"), row.get("decode_ms_per_token")))
             f.write(json.dumps(row) + "\n")
             f.flush()
             rows.append(row)
     rows = [r for r in rows if r["device"] == device and r["threads"] == context["threads"]]
     _write_csv(rows, out_dir / "cells.csv")
     verdicts = judge(rows, OmegaConf.to_container(bench.targets) if "targets" in bench else [], loaded)
+    import transformers
+
     (out_dir / "targets.json").write_text(json.dumps({"context": {**context, "python": platform.python_version(),
-                                                                  "torch": torch.__version__},
+                                                                  "torch": torch.__version__,
+                                                                  "transformers": transformers.__version__},
+                                                      "floor": floor.measured(),
                                                       "targets": verdicts}, indent=1) + "\n")
     table = targets_markdown(verdicts)
     (out_dir / "targets.md").write_text(table + "\n")
@@ -202,6 +265,48 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
                f"bench {bench.name}")
     print(f"\n{spec.name} on {device} ({context['threads']} threads), bench {bench.name}\n{table}\nresults: {out_dir}")
     return rows
+
+
+class _Floor:
+    """The bench's floor (``floor: {copy_mib, warmup, repeats}``): the copy bandwidth measured once, when the run's
+    first decode row needs it, written to ``floor.json``; each decode row then gets its floor fields (``peer.py``)."""
+
+    def __init__(self, options: Any):
+        """Validates ``options`` (before the model loads); ``bind`` names the model and the folder."""
+        if options is not None and not OmegaConf.is_dict(options) and not isinstance(options, dict):
+            raise ConfigError(f"bench: floor={options!r} must be a mapping (copy_mib, warmup, repeats) or null")
+        self.options = None if options is None else dict(OmegaConf.to_container(options) if OmegaConf.is_config(
+            options) else options)
+        self.loaded, self.path, self.result = None, None, None
+        if self.options is not None:
+            bad = sorted(set(self.options) - {"copy_mib", "warmup", "repeats"})
+            if bad:
+                raise ConfigError(f"bench: floor has unknown keys {bad}; valid: copy_mib, warmup, repeats")
+
+    def bind(self, loaded, out_dir: Path) -> _Floor:
+        self.loaded, self.path = loaded, out_dir / "floor.json"
+        return self
+
+    def fields(self, kv_bytes: int | None, decode_ms: float | None) -> dict[str, Any]:
+        from kvbench.bench.peer import copy_bandwidth, floor_fields, weight_bytes
+
+        if self.options is None or kv_bytes is None:
+            return {}
+        if self.result is None:
+            log.info("measuring the copy bandwidth of %s (the floor)", self.loaded.device)
+            self.result = {**copy_bandwidth(self.loaded.device, **self.options),
+                           "weight_bytes": weight_bytes(self.loaded.model)}
+            self.path.write_text(json.dumps(self.result, indent=1) + "\n")
+        out = floor_fields(self.result["weight_bytes"], kv_bytes, self.result["copy_bandwidth_bytes_per_s"])
+        if decode_ms is not None:
+            out["floor_ratio"] = round(decode_ms / out["floor_ms_per_token"], 3)
+        return out
+
+    def measured(self) -> dict[str, Any] | None:
+        """This run's measurement, else the last one stored (a resumed run that measured nothing)."""
+        if self.result is None and self.options is not None and self.path.exists():
+            return json.loads(self.path.read_text())
+        return self.result
 
 
 def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -237,11 +342,25 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
     verdicts = []
     for target in targets:
         metric, length = target["metric"], target["context_length"]
+        if "max_floor_ratio" in target and metric not in ("decode_ms_per_token", "decode_tokens_per_s"):
+            raise ConfigError(f"bench target {target['name']!r}: max_floor_ratio bounds decode time against the "
+                              f"floor; metric must be decode_ms_per_token or decode_tokens_per_s, not {metric!r}")
+        batches = target.get("batch_sizes")
         for method in target["methods"]:
-            for row in [r for r in rows if r["method"] == method and r["context_length"] == length]:
+            for row in [r for r in rows if r["method"] == method and r["context_length"] == length
+                        and (batches is None or r["batch_size"] in batches)]:
                 verdict = {"target": target["name"], "metric": metric, "method": method, "budget": row["budget"],
                            "context_length": length, "batch_size": row["batch_size"], "value": row.get(metric)}
-                if "max_value" in target:  # an absolute bound (FullKV's ms/token against the weight-streaming floor)
+                if "max_floor_ratio" in target:  # decode time per step / the cell's floor (the same whichever metric)
+                    bound, floor_ms = target["max_floor_ratio"], row.get("floor_ms_per_token")
+                    verdict.update(baseline="floor", baseline_value=floor_ms, bound=f"<= {bound} x floor")
+                    if floor_ms is None or row.get("decode_ms_per_token") is None:
+                        verdict.update(ratio=None, ok=None, note="no floor measured for this cell (bench.floor)"
+                                       if floor_ms is None else "no measurement of this metric")
+                    else:
+                        ratio = row["decode_ms_per_token"] / floor_ms
+                        verdict.update(ratio=round(ratio, 3), ok=ratio <= bound)
+                elif "max_value" in target:  # an absolute bound (FullKV's ms/token against the weight-streaming floor)
                     value = row.get(metric)
                     verdict.update(bound=f"<= {target['max_value']}",
                                    ok=None if value is None else value <= target["max_value"])
@@ -256,22 +375,27 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                         verdict.update(ratio=round(ratio, 3), bound=f"<= {target['max_budget_ratio']} x budget",
                                        ok=ratio <= target["max_budget_ratio"])
                 else:
-                    reference = target.get("baseline", "fullkv")  # a ratio to FullKV, or to another method (SnapKV)
+                    # a ratio to FullKV, to another method (SnapKV) or to a peer (transformers_static_compiled)
+                    reference = target.get("baseline", "fullkv")
                     base = next((r for r in rows if r["method"] == reference and r["context_length"] == length
                                  and r["batch_size"] == row["batch_size"] and r.get(metric) is not None), None)
                     bound = target.get("max_ratio", target.get("min_ratio"))
                     bound_text = ("<= " if "max_ratio" in target else ">= ") + str(bound)
-                    if metric == "prefill_seconds" and row.get("prefill_ratio_paired") is not None:
-                        ratio, fullkv = row["prefill_ratio_paired"], row["prefill_baseline_seconds"]
+                    verdict.update(baseline=reference)
+                    if (metric == "prefill_seconds" and row.get("prefill_ratio_paired") is not None
+                            and reference == "fullkv"):
+                        ratio, value = row["prefill_ratio_paired"], row["prefill_baseline_seconds"]
                         verdict.update(paired=True)
                     elif base is None or row.get(metric) is None or not base[metric]:
                         verdict.update(ratio=None, ok=None, bound=bound_text, note="no measurement of this metric")
                         verdicts.append(verdict)
                         continue
                     else:
-                        ratio, fullkv = row[metric] / base[metric], base[metric]
+                        ratio, value = row[metric] / base[metric], base[metric]
                     ok = ratio <= bound if "max_ratio" in target else ratio >= bound
-                    verdict.update(fullkv=fullkv, ratio=round(ratio, 3), bound=bound_text, ok=ok)
+                    verdict.update(baseline_value=value, ratio=round(ratio, 3), bound=bound_text, ok=ok)
+                    if reference == "fullkv":
+                        verdict.update(fullkv=value)
                 verdicts.append(verdict)
     return verdicts
 
@@ -284,18 +408,20 @@ def _number(label: str) -> Any:
 
 
 def targets_markdown(verdicts: list[dict[str, Any]]) -> str:
-    lines = ["| target | method | batch | value | FullKV (or expected) | ratio | bound | ok |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | method | batch | value | against (FullKV, a peer, the floor or the budget's bytes) | "
+             "ratio | bound | ok |", "|---|---|---|---|---|---|---|---|"]
     for v in verdicts:
         value = v["value"]
         value = f"{value:,.4g}" if isinstance(value, float) else (f"{value:,}" if isinstance(value, int) else "-")
-        base = v.get("fullkv", v.get("expected"))
+        base = v.get("baseline_value", v.get("fullkv", v.get("expected")))
         base = "-" if base is None else (f"{base:,.4g}" if isinstance(base, float) else f"{base:,}")
+        if v.get("baseline") not in (None, "fullkv"):
+            base = f"{v['baseline']} {base}"
         ok = {True: "yes", False: "**NO**", None: "n/a"}[v["ok"]]
         ratio = "-" if v.get("ratio") is None else str(v["ratio"]) + (" (paired)" if v.get("paired") else "")
         lines.append(f"| {v['target']} | {v['method']}@{v['budget']} | {v['batch_size']} | {value} | {base} | "
                      f"{ratio} | {v.get('bound', '= budget')} | {ok} |")
     if any(v.get("paired") for v in verdicts):
         lines.append("\n(paired): the method's prefill and FullKV's were timed alternately in the same cell; the "
-                     "ratio is the median of the per-pair ratios and the FullKV column that cell's FullKV median.")
+                     "ratio is the median of the per-pair ratios and the \"against\" column that cell's FullKV median.")
     return "\n".join(lines)
