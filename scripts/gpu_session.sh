@@ -12,7 +12,7 @@
 #               the bundled pure-Python wheels the node's python lacks (hydra-core, omegaconf, antlr4-python3-runtime
 #               on the 2026-11 image). The node's packages are never changed: DIR/site is put on PYTHONPATH.
 #   2. check    scripts/gpu_check.py: every registered method, CUDA vs CPU in fp32, then bf16 in a left-padded batch
-#               (smollm2-135m-random, 1,024 tokens; RoCo's sequential prefill on 256) -> gpu_check.json
+#               (smollm2-135m-random, 1,024 tokens; RoCo's sequential prefill on 192) -> gpu_check.json
 #   3. bench    python -m kvbench.bench bench=gpu_targets model=llama3-8b-random model.dtype=bfloat16
 #               -> results/bench/llama3-8b-random/gpu_targets/<device>/ (cells resume if a later run repeats it)
 # Budget on one H100/H200: 8 minutes in all (KVBENCH_SESSION_SECONDS=480): install at most 120 s, the check 200 s,
@@ -21,13 +21,17 @@
 # grids without the max-batch searches); a bench cut by its timeout resumes from its stored cells when run again.
 # Exit status: 0 when every step passed, 2 when the install refused, 1 otherwise. summary.txt lists each step.
 #
-# Rehearsed on a CPU, 2026-11-27 (2 shared cores), in a fresh venv holding what a GPU image holds (torch,
-# transformers 5.17 and their dependencies, numpy, pandas, scipy, psutil, pyyaml, safetensors, accelerate, gguf;
-# no hydra-core, omegaconf, antlr4, submitit, datasets, nltk, ...), offline:
-#   python -m kvbench.assets bundle /tmp/kvbundle
-#   python3 -m venv /tmp/image && /tmp/image/bin/pip install torch transformers==5.17.0 numpy pandas scipy \
-#       psutil pyyaml safetensors accelerate gguf
-#   PATH=/tmp/image/bin:$PATH PIP_NO_INDEX=1 scripts/gpu_session.sh /tmp/kvbundle --device cpu
+# Rehearsed on a CPU, 2026-11-27 (2 shared cores, python 3.11), offline, in a fresh venv holding what the GPU image
+# holds besides kvbench's pure-Python dependencies: torch (2.13.0+cpu here), transformers 5.17.0 with its
+# dependencies (numpy, pyyaml, regex, safetensors, tokenizers, huggingface-hub, ...), pandas, scipy, psutil,
+# accelerate, gguf; no hydra-core, omegaconf, antlr4, submitit, nltk, datasets, pyarrow, wandb:
+#   python -m kvbench.assets bundle /tmp/kvbundle                       # 30 s (9 s with a warm pip cache), 130 MB
+#   python3 -m venv /tmp/image && /tmp/image/bin/pip install torch==2.13.0+cpu transformers==5.17.0 numpy pandas \
+#       scipy psutil pyyaml safetensors accelerate gguf
+#   env -i HOME=/tmp/home PATH=/tmp/image/bin:/usr/bin:/bin PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 \
+#       KVBENCH_SESSION_OUT=/tmp/session bash /tmp/kvbundle/src/scripts/gpu_session.sh /tmp/kvbundle --device cpu
+# -> 137 s wall (install 3 s: 16 wheels, hydra-core / omegaconf / antlr4 among them, datasets left out for lack of
+# pyarrow; check 71 s: 29/29 methods pass, AdaKV 1,021 kept entries; bench=smoke 58 s), every step passed.
 set -uo pipefail
 
 usage() { echo "usage: $0 BUNDLE_DIR [--device cuda|cpu]" >&2; exit 2; }

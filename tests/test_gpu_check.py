@@ -64,3 +64,13 @@ def test_sequential_prefill_and_overrides_name_registered_methods(gpu_check):
 
     assert set(gpu_check.SEQUENTIAL_PREFILL) <= set(METHODS.names())
     assert set(gpu_check.OVERRIDES) <= set(METHODS.names())
+
+
+def test_a_method_not_started_by_the_deadline_fails_as_skipped(gpu_check, tmp_path):
+    out = tmp_path / "check.json"
+    code = gpu_check.main(["--device", "cpu", "--model", "tiny-random", "--length", "256", "--methods", "snapkv",
+                           "--deadline", "0.001", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 1 and report["failed"] == ["snapkv"]
+    for row in report["methods"]["snapkv"].values():
+        assert row["ok"] is False and row["skipped"].startswith("deadline")
