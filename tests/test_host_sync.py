@@ -85,17 +85,18 @@ def test_a_decode_step_reads_the_device_at_most_twice(toy_llama, method, monkeyp
 
 
 @pytest.mark.parametrize("method", ["d2o", "omnikv", "h2o"])
-def test_a_static_decode_step_reads_the_device_at_most_twice(toy_llama, method, monkeypatch):
-    """engine.compile=true: the same bound for the static decode path (fixed-capacity layers, the session's static
-    branch, ``static_step`` with D2O's merge and OmniKV's shared selection; H2O as the reference). torch.compile does
-    not run under a dispatch mode, so the step runs uncompiled here: the same ops (``tests/test_static_decode.py``
-    proves they are captured whole, fullgraph=True, where a host read would break the graph)."""
-    import kvbench.engine.static as static
+def test_the_captured_decode_reads_the_device_once_per_read_period(toy_llama, method, monkeypatch):
+    """engine.decode=graph: the captured step (fixed-capacity layers, ``static_step`` with D2O's merge and OmniKV's
+    shared selection; H2O as the reference) reads nothing; the host reads the chosen ids once per ``READ_EVERY``
+    (16) steps: 2 reads for 32 more steps. torch.compile does not run under a dispatch mode, so the captured function
+    runs uncompiled here: the same ops (``tests/test_static_decode.py`` proves they are one graph, fullgraph=True,
+    where a host read would break it)."""
+    from kvbench.engine import graph
 
-    monkeypatch.setattr(static, "compiled_step", lambda backend, mode: static.static_step)
+    monkeypatch.setattr(CompressionSession, "captured_step_function", lambda self: graph.decode_step)
     short = _host_reads(toy_llama, method, 64, 2, monkeypatch, compile="eager")
-    long = _host_reads(toy_llama, method, 64, 10, monkeypatch, compile="eager")
-    assert (long - short) / 8 <= 2, f"{method}: {(long - short) / 8} host reads per decode step"
+    long = _host_reads(toy_llama, method, 64, 34, monkeypatch, compile="eager")
+    assert long - short <= 2, f"{method}: {long - short} host reads over 32 captured steps"
 
 
 def _boolean_mask_evict_one(layer: KVLayer, index: torch.Tensor) -> dict[str, torch.Tensor]:

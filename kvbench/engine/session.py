@@ -44,7 +44,7 @@ from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versio
 from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
 from kvbench.engine.rope import rotate_keys
-from kvbench.engine.static import StaticKVLayer, StaticPolicy, slot_pool, static_step
+from kvbench.engine.static import StaticKVLayer, StaticPolicy, StepSlots, evict_oldest, slot_pool, static_step
 from kvbench.errors import CompressionInactiveError, ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_rank
 
@@ -104,7 +104,7 @@ class CompressionSession:
         self._attended_acc: torch.Tensor | None = None  # their attended entries, summed on the device
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
         self._row_bases: dict[tuple, torch.Tensor] = {}  # capacities and selections at the batch bucket's rows
-        self._chosen: dict[int, torch.Tensor] = {}  # a filter layer's (policy.source) choice of prompt slots (OmniKV)
+        self._chosen: dict[int, torch.Tensor] = {}  # a selection shared between layers, by its writer (OmniKV's filter)
         self._static_pending = False  # engine.compile: the layers become static after this decode step
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
         self._cache = None  # the cache container of the current forward (its layers are replaced by static ones)
@@ -265,23 +265,21 @@ class CompressionSession:
                 policy = self.method.static_policy(max(caps), self._method_index[idx])
             else:
                 policy = StaticPolicy()
-            if spec.sliding and policy.evict == "none":  # the window: the oldest entry leaves past window - 1
-                policy, caps = StaticPolicy("oldest"), [spec.window - 1] * len(caps)
+            if spec.sliding and policy.evict is None:  # the window: the oldest entry leaves past window - 1
+                policy, caps = StaticPolicy(evict=evict_oldest), [spec.window - 1] * len(caps)
             # an evicting layer needs one slot for the step's token, or more where a row may grow before it evicts (a
             # capacity above what the layer holds: D2O's rows that the official code never compresses)
             held = layer.num_entries  # a ragged layer: its longest head and the tail
             grow = max(caps) + 1 - held
-            extra = max(1, min(self._reserve, grow)) if policy.evict != "none" else max(1, self._reserve)
+            extra = max(1, min(self._reserve, grow)) if policy.evict is not None else max(1, self._reserve)
             if varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
                 extra += -(held + extra) % SLOT_ROUND
-            if policy.select == "pages":  # whole pages of slots; a page budget the slots can hold
-                extra += -(held + extra) % policy.page_size
-                slots = (held + extra) // policy.page_size
-                policy = replace(policy, pages=min(policy.pages, slots + 1))
+            extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
-            if policy.select == "filter":  # its segment's sparse layers (later layers) read the same tensor
-                chosen = pool.take(("chosen", policy.source), (rows, 1, policy.prompt), torch.bool, device)
-                self._chosen[policy.source] = self._row_base(("chosen", policy.source), chosen.zero_(), b)
+            if policy.choose is not None:  # a selection later layers attend through (OmniKV's filter layer)
+                source, width = policy.selection
+                chosen = pool.take(("chosen", source), (rows, 1, width), torch.bool, device)
+                self._chosen[source] = self._row_base(("chosen", source), chosen.zero_(), b)
             self._cache.layers[idx] = self._layers[idx] = static
             capacity = pool.take(("capacity", idx), (rows, 1, 1), torch.long, device)
             capacity[:b].copy_(torch.tensor(caps, device=device).view(-1, 1, 1))
@@ -307,14 +305,10 @@ class CompressionSession:
         """One static layer's decode step (``engine.static.static_step``): the same function on the host-driven path
         (the first decode step) and inside the captured step."""
         policy, capacity = self._static[idx]
-        row_state = layer.row_state if policy.evict == "merge" or policy.select == "filter" else None
-        return static_step(
-            layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity, query, scaling,
-            policy.evict, policy.sinks, policy.recent, policy.select, policy.page_size, policy.pages, policy.group_agg,
-            policy.acc_agg, policy.merge, row_state,
-            self._chosen.get(policy.source), policy.prompt, policy.top, policy.selector, policy.window_reading,
-            self.rope_inv_freq if policy.select == "filter" and policy.window_reading == "official_code" else None,
-            policy.merge_step, policy.choose)
+        chosen = self._chosen.get(policy.selection[0]) if policy.selection is not None else None
+        slots = StepSlots(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity,
+                          layer.row_state, chosen, query, scaling, self.rope_inv_freq)
+        return static_step(slots, policy)
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
         out, attended = self._layer_step(layer, idx, query, scaling)
@@ -850,7 +844,6 @@ def _key_valid(attention_mask: torch.Tensor | None, n: int) -> torch.Tensor | No
 def _window_context(ctx: PrefillContext, layer: KVLayer) -> PrefillContext:
     """The prefill as a method acting inside a sliding window sees it (``sliding_layers=compress``): the window's
     tokens are the prompt, its queries the last ones, its budget at most the window."""
-    from dataclasses import replace
 
     m = layer.num_entries
     key_valid = ctx.key_valid[:, -m:] if ctx.key_valid is not None else None

@@ -24,71 +24,84 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvbench.engine.cache import KVLayer
-from kvbench.engine.scores import page_bounds
 
-#: what a method does at a decode step, in a form the static step can run
-EVICTIONS = ("none", "oldest", "score", "merge", "least_attended")
-#: which entries a step attends to: all valid ones, Quest's critical pages, or OmniKV's prompt tokens chosen by a
-#: filter layer (``filter`` chooses them and attends to everything, ``segment`` attends to the choice)
-SELECTIONS = ("none", "pages", "filter", "segment")
+
+class StepSlots(NamedTuple):
+    """What one layer's decode step sees, all device tensors but ``scaling``: the slots ``keys`` / ``values``
+    ``(B, Hkv, C, D)``, their ``positions`` and ``valid`` bits ``(B, Hkv, C)``, the method's accumulated scores ``acc``
+    ``(B, Hkv, C)`` (or None), the layer's ``capacity`` ``(B, 1, 1)``, its per-row method state ``row_state``, a
+    selection shared between layers ``chosen`` (or None), the step's post-RoPE ``query`` ``(B, Hq, 1, D)``, the
+    attention ``scaling`` and the model's RoPE frequencies ``rope_inv_freq`` (or None)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    acc: torch.Tensor | None
+    capacity: torch.Tensor
+    row_state: dict
+    chosen: torch.Tensor | None
+    query: torch.Tensor
+    scaling: float
+    rope_inv_freq: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class StaticPolicy:
-    """``evict``: ``none`` (prefill-only methods: appended tokens stay), ``oldest`` (StreamingLLM: the oldest entry
-    after ``sinks`` leaves), ``score`` (H2O: the lowest accumulated attention outside the ``sinks`` first and the
-    ``recent`` newest positions leaves), ``least_attended`` (TOVA: the entry this step's query attends to least,
-    averaged over all query heads, the same entry in every KV head, the new one included). ``accumulate``: add each
-    step's attention probabilities (mean over the GQA group) to the entries' scores (H2O's running column sums, state
-    ``acc``). ``select="pages"`` (Quest, which never
-    evicts): the step attends only to the ``pages`` pages of ``page_size`` slots with the highest criticality bound
-    (the newest entry's page always among them; the KV group's bounds aggregated by ``group_agg``).
+    """A method's decode step in the form the captured step runs, given by the method (``Method.static_policy``):
 
-    ``evict="merge"`` (D2O): ``score``'s victim with per-row sinks and recent counts (``layer.row_state``), merged into
-    its most similar entry through D2O's EMA gate (``methods.d2o_ops.static_merge_evict``, parameters ``merge``:
-    ``(beta, similarity feature, merge weights, add the merged score, the official code's gate)``); ``acc_agg``: how
-    the GQA group's probabilities are accumulated (``mean`` or ``max``). ``select="filter"`` / ``"segment"`` (OmniKV,
-    batch 1, slots in position order): a filter layer chooses the ``top`` of the ``prompt`` first slots by its query
-    (``methods.omnikv_select.select_by_last_query``, ``selector``) into the selection of ``source`` and attends to
-    everything; a segment's sparse layers attend to that selection and every slot after the prompt."""
+    * ``evict(slots, probs, policy)``: after the step's attention, free the slots the method evicts where a (row,
+      head) holds more than ``slots.capacity`` entries (clear their ``valid`` bits, after a merge where the method
+      merges), in place; ``probs`` ``(B, Hkv, g, 1, C)`` float32 when ``needs_probs`` or ``accumulate``, else None;
+    * ``attend(slots, policy)``: the slots this step attends ``(B, Hkv, C)`` (default: every valid one);
+    * ``choose(slots, policy)``: write this step's choice into ``slots.chosen`` (a selection other layers attend
+      through);
+    * ``accumulate``: add the step's probabilities to ``slots.acc`` (over each GQA group: ``acc_agg`` mean or max);
+    * ``params``: the method's constants its functions read (its sinks, recent window, page sizes, merge settings);
+    * ``slot_multiple``: the layer's slot count a multiple of this (Quest's pages);
+    * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads.
 
-    evict: str = "none"
-    sinks: int = 0
-    recent: int = 0
-    accumulate: bool = False
-    select: str = "none"
-    page_size: int = 1
-    pages: int = 0
-    group_agg: str = "max"
-    acc_agg: str = "mean"
-    merge: tuple | None = None
-    prompt: int = 0
-    top: int = 0
-    selector: str = "last"
-    window_reading: str = "official_code"
-    source: int = -1
-    #: the method's own step functions (module-level functions, so that a graph's guard on them holds across
-    #: sessions): ``merge_step`` evicts through a merge (D2O's ``d2o_ops.static_merge_evict``), ``choose`` writes a
-    #: filter layer's choice of prompt slots (OmniKV's ``omnikv_select.static_choice``); the engine imports neither
-    merge_step: Callable | None = None
+    The functions are pure tensor code (no host read, no data-dependent shape) defined at module level in the method's
+    own file (a graph's guard on them then holds across sessions); the engine calls them and names no method. None
+    everywhere (``StaticPolicy()``): the method does nothing after prefill and appended tokens stay."""
+
+    evict: Callable | None = None
+    attend: Callable | None = None
     choose: Callable | None = None
+    accumulate: bool = False
+    acc_agg: str = "mean"
+    needs_probs: bool = False
+    params: tuple = ()
+    slot_multiple: int = 1
+    selection: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.evict not in EVICTIONS:
-            raise ValueError(f"StaticPolicy.evict={self.evict!r}; valid: {', '.join(EVICTIONS)}")
-        if self.select not in SELECTIONS:
-            raise ValueError(f"StaticPolicy.select={self.select!r}; valid: {', '.join(SELECTIONS)}")
-        if self.evict == "merge" and (self.merge is None or self.merge_step is None or not self.accumulate):
-            raise ValueError("StaticPolicy: evict='merge' needs its merge step, its parameters and accumulated scores")
-        if self.select == "filter" and self.choose is None:
-            raise ValueError("StaticPolicy: select='filter' needs the method's choice function (choose)")
-        if self.select != "none" and self.evict != "none":
-            raise ValueError("StaticPolicy: a page selection runs on a cache that never evicts (slots in position "
-                             "order)")
+        if self.acc_agg not in ("mean", "max"):
+            raise ValueError(f"StaticPolicy.acc_agg={self.acc_agg!r}; valid: mean, max")
+        if self.choose is not None and self.selection is None:
+            raise ValueError("StaticPolicy: choose writes a shared selection, which needs selection=(layer, width)")
+
+
+def evict_one(valid: torch.Tensor, key: torch.Tensor, capacity: torch.Tensor) -> None:
+    """Free the slot with the lowest ``key`` ``(B, H, C)`` in every (row, head) holding more than ``capacity``
+    ``(B, 1, 1)`` valid entries (a prompt within the budget keeps growing up to it): its ``valid`` bit cleared."""
+    victim = torch.argmin(key, dim=-1, keepdim=True)  # (B, H, 1)
+    over = valid.sum(-1, keepdim=True) > capacity
+    valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)
+
+
+def evict_oldest(slots: StepSlots, probs: torch.Tensor | None, policy: StaticPolicy) -> None:
+    """The oldest entry after the first ``params[0]`` positions (the sinks) leaves: a sliding window's step (the
+    engine's, for layers no method touches), StreamingLLM's and the local window's."""
+    sinks = policy.params[0] if policy.params else 0
+    candidate = slots.valid & (slots.positions >= sinks)
+    key = slots.positions.masked_fill(~candidate, torch.iinfo(slots.positions.dtype).max)
+    evict_one(slots.valid, key, slots.capacity)
 
 
 class SlotPool:
@@ -274,92 +287,34 @@ class StaticKVLayer(KVLayer):
         self.valid = valid
 
 
-def page_selection(keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor, page_size: int, pages: int,
-                   group_agg: str) -> torch.Tensor:
-    """Quest's step on a static layer whose slots are in position order (nothing is evicted; slot ``i`` of a row holds
-    its ``i``-th entry): the slots ``(B, Hkv, C)`` of the ``pages - 1`` complete-or-partial pages with the highest
-    criticality bound ``Σ_c max(q_c m_c, q_c M_c)`` (``engine.scores.page_bounds``) among all but the newest entry's
-    page, plus that page. Per-page key minima / maxima are recomputed from the slots (no state; one pass over the
-    cache). With fewer pages than ``pages`` every valid page is chosen (Quest's dense step)."""
-    b, hkv, c, d = keys.shape
-    p = c // page_size
-    paged = keys.view(b, hkv, p, page_size, d)
-    slot_valid = valid.view(b, hkv, p, page_size)
-    empty = ~slot_valid.unsqueeze(-1)
-    mins = paged.masked_fill(empty, float("inf")).amin(3)
-    maxs = paged.masked_fill(empty, float("-inf")).amax(3)
-    bounds = page_bounds(query.view(b, hkv, -1, d), mins, maxs)  # (B, Hkv, g, P)
-    scores = bounds.amax(2) if group_agg == "max" else bounds.mean(2)
-    last = (valid.sum(-1, keepdim=True) - 1) // page_size  # (B, Hkv, 1): the newest entry's page
-    candidate = slot_valid.any(-1).scatter(-1, last, False)
-    scores = scores.masked_fill(~candidate, float("-inf"))  # also the NaNs of empty pages' infinite bounds
-    chosen = torch.zeros_like(candidate).scatter(-1, torch.topk(scores, pages - 1, dim=-1).indices, True)
-    chosen = chosen.scatter(-1, last, True)
-    return valid & chosen.repeat_interleave(page_size, dim=-1)
-
-
-def static_step(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                acc: torch.Tensor | None, capacity: torch.Tensor, query: torch.Tensor, scaling: float, evict: str,
-                sinks: int, recent: int, select: str = "none", page_size: int = 1, pages: int = 0,
-                group_agg: str = "max", acc_agg: str = "mean", merge: tuple | None = None,
-                row_state: dict[str, torch.Tensor] | None = None, chosen: torch.Tensor | None = None, prompt: int = 0,
-                top: int = 0, selector: str = "last", window_reading: str = "official_code",
-                rope_inv_freq: torch.Tensor | None = None, merge_step: Callable | None = None,
-                choose: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's decode step on a static layer: attention of ``query`` ``(B, Hq, 1, D)`` over the valid slots of
-    ``keys``/``values`` ``(B, Hkv, C, D)`` (those of the chosen pages with ``select="pages"``, of OmniKV's selection
-    ``chosen`` ``(B, 1, prompt)`` and the slots after the prompt with ``select="segment"``), ``acc`` += the step's
-    probabilities (mean, or max with ``acc_agg="max"``, over each GQA group), then, where a (row, head) holds more
-    than ``capacity`` ``(B, 1, 1)`` entries, the eviction of one (its ``valid`` bit cleared; merged first with
-    ``evict="merge"``, D2O, whose per-row state is ``row_state``). ``select="filter"`` writes this step's choice of
-    prompt slots into ``chosen``. Returns the output ``(B, 1, Hq, D)`` and the entries attended per (row, head), a
-    device scalar. Pure tensor code without host reads or data-dependent shapes: compiled once by
-    ``torch.compile(fullgraph=True)``."""
+def static_step(slots: StepSlots, policy: StaticPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's decode step on a static layer: the method's choice of slots to attend (``policy.attend``, default
+    every valid one) and of a shared selection (``policy.choose``), attention of ``slots.query`` ``(B, Hq, 1, D)`` over
+    them, the method's score accumulation (``policy.accumulate``) and eviction (``policy.evict``). Returns the output
+    ``(B, 1, Hq, D)`` and the entries attended per (row, head), a device scalar (before the eviction: the victim was
+    attended). Pure tensor code without host reads or data-dependent shapes: run inside the captured step."""
+    keys, values, valid, query = slots.keys, slots.values, slots.valid, slots.query
     b, hq, q, d = query.shape
     hkv, c = keys.shape[1], keys.shape[2]
     qg = query.view(b, hkv, hq // hkv, q, d)
-    if select == "pages":
-        attended = page_selection(keys, valid, query, page_size, pages, group_agg)
-    elif select == "segment":  # the filter layer's choice of prompt slots, and every slot after the prompt
-        after = torch.ones(b, 1, c - prompt, dtype=torch.bool, device=valid.device)
-        attended = valid & torch.cat([chosen, after], dim=-1)
-    else:
-        attended = valid
-    if select == "filter":  # the method's choice of prompt slots for its segment (OmniKV's filter layer), in place
-        choose(query, keys, positions, valid, row_state, chosen, scaling, prompt, top, selector, window_reading,
-               rope_inv_freq)
-    if acc is None and evict not in ("least_attended", "merge"):
-        # no probabilities needed: the fused kernel (SDPA; the GQA group's queries as the query axis of their KV
-        # head, so nothing is repeated and no (B, Hkv, g, 1, C) float32 probabilities exist)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qg.reshape(b, hkv, -1, d), keys, values, attn_mask=attended.view(b, hkv, 1, c), scale=scaling,
-        ).reshape(b, hq, q, d)
-        probs = None
-    else:
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * scaling
+    attended = policy.attend(slots, policy) if policy.attend is not None else valid
+    if policy.choose is not None:
+        policy.choose(slots, policy)
+    if policy.needs_probs or policy.accumulate:
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * slots.scaling
         logits = logits.masked_fill(~attended.view(b, hkv, 1, 1, -1), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, d)
-    if acc is not None:
+    else:  # no probabilities needed: the fused kernel (SDPA; the GQA group's queries as the query axis of their KV
+        # head, so nothing is repeated and no (B, Hkv, g, 1, C) float32 probabilities exist)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qg.reshape(b, hkv, -1, d), keys, values, attn_mask=attended.view(b, hkv, 1, c), scale=slots.scaling,
+        ).reshape(b, hq, q, d)
+        probs = None
+    if policy.accumulate:
         step = probs.sum(3)
-        acc.add_(step.mean(2) if acc_agg == "mean" else step.amax(2))
-    if evict == "merge":
-        count = valid.sum() // valid[..., 0].numel()  # before the eviction: the victim was attended
-        merge_step(keys, values, positions, valid, acc, capacity, row_state, *merge)
-    elif evict != "none":
-        newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
-        candidate = valid & (positions >= sinks)
-        if evict == "least_attended":  # TOVA: the step's query over all query heads, one entry for every KV head
-            key = probs[:, :, :, -1].mean((1, 2)).unsqueeze(1).expand(b, hkv, c).masked_fill(~valid, float("inf"))
-        elif evict == "score":
-            candidate = candidate & (positions <= newest - recent)
-            key = acc.masked_fill(~candidate, float("inf"))
-        else:  # the oldest entry after the sinks
-            key = positions.masked_fill(~candidate, torch.iinfo(positions.dtype).max)
-        victim = torch.argmin(key, dim=-1, keepdim=True)  # (B, H, 1)
-        over = valid.sum(-1, keepdim=True) > capacity  # a prompt within the budget keeps growing up to it
-        count = valid.sum() // valid[..., 0].numel()  # before the eviction: the victim was attended
-        valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)
-    else:
-        count = attended.sum() // attended[..., 0].numel()
+        slots.acc.add_(step.mean(2) if policy.acc_agg == "mean" else step.amax(2))
+    count = attended.sum() // attended[..., 0].numel()
+    if policy.evict is not None:
+        policy.evict(slots, probs, policy)
     return out.transpose(1, 2).contiguous(), count

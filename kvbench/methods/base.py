@@ -114,9 +114,11 @@ class Method:
         the number of layers it compresses (OmniKV's filter layers may cover them all). Default: nothing."""
 
     def static_policy(self, capacity: int, layer_idx: int = 0) -> StaticPolicy | None:
-        """This method's decode step, for its ``layer_idx``-th layer keeping ``capacity`` entries, in the form
-        ``engine.compile`` runs (``engine.static``): None when it has none (its own attention, merging, per-step
-        logits): ``engine.compile`` then refuses it. FullKV and every method that does nothing after prefill:
+        """This method's decode step, for its ``layer_idx``-th layer keeping ``capacity`` entries, in the form the
+        captured decode step runs (``engine.decode=graph``; ``engine.static.StaticPolicy``: the method's own
+        pure-tensor functions choosing the slots to attend and to evict, defined at module level in its file): None
+        when it has none (its own attention, merging, per-step logits): ``engine.decode=graph`` then refuses it and
+        ``auto`` decodes on the host-driven path. FullKV and every method that does nothing after prefill:
         ``StaticPolicy()`` (appended tokens stay)."""
         if type(self).decode is Method.decode and type(self).select is Method.select and \
                 type(self).attend is Method.attend and not self.needs_logits:

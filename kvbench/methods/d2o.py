@@ -262,9 +262,8 @@ class D2O(Method):
             return None
         official = self.variant == "official_code"
         weights = "official" if official else self.merge_weights
-        return StaticPolicy("merge", accumulate=True, acc_agg=self.group_agg,
-                            merge=(self.beta, self.similarity_feature, weights, self.merge_score == "add", official),
-                            merge_step=static_merge_evict)
+        return StaticPolicy(evict=static_evict, accumulate=True, acc_agg=self.group_agg,
+                            params=(self.beta, self.similarity_feature, weights, self.merge_score == "add", official))
 
     def static_after_first_step(self) -> bool:
         return self.variant == "official_code"
@@ -343,3 +342,12 @@ class D2O(Method):
             weights = "official" if official else self.merge_weights
             for attr in tensors:
                 setattr(layer, attr, merge_into(getattr(layer, attr), evicted, target, m, merge, weights))
+
+
+def static_evict(slots, probs, policy) -> None:
+    """D2O's decode step on a static layer (``engine.static.StaticPolicy.evict``): one eviction where a (row, head)
+    is over its capacity, merged into its most similar slot through the EMA gate (``d2o_ops.static_merge_evict``;
+    ``params``: beta, the similarity feature, the merge weights, whether the merged score is added, the official
+    code's gate)."""
+    static_merge_evict(slots.keys, slots.values, slots.positions, slots.valid, slots.acc, slots.capacity,
+                       slots.row_state, *policy.params)

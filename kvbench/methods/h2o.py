@@ -167,10 +167,21 @@ class H2O(Method):
 
         if self.variant != "paper":
             return StaticPolicy()
-        return StaticPolicy("score", recent=self._recent_host((capacity,))[0], accumulate=True)
+        return StaticPolicy(evict=static_evict, accumulate=True, params=(self._recent_host((capacity,))[0],))
 
     def _recent_host(self, caps: tuple[int, ...]) -> list[int]:
         """``_recent`` of host capacities, with the same float32 arithmetic (computed on the CPU, once per value)."""
         if caps not in self._recent_cache:
             self._recent_cache[caps] = [int(x) for x in self._recent(torch.tensor(caps)).tolist()]
         return self._recent_cache[caps]
+
+
+def static_evict(slots, probs, policy) -> None:
+    """H2O's decode step on a static layer (``engine.static.StaticPolicy.evict``): the entry with the lowest
+    accumulated attention outside the ``params[0]`` newest positions leaves."""
+    from kvbench.engine.static import evict_one
+
+    positions, valid = slots.positions, slots.valid
+    newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
+    candidate = valid & (positions <= newest - policy.params[0])
+    evict_one(valid, slots.acc.masked_fill(~candidate, float("inf")), slots.capacity)

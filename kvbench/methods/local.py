@@ -45,6 +45,6 @@ class LocalWindow(Method):
         keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)
 
     def static_policy(self, capacity: int, layer_idx: int = 0):
-        from kvbench.engine.static import StaticPolicy
+        from kvbench.engine.static import StaticPolicy, evict_oldest
 
-        return StaticPolicy("oldest")  # the window: the oldest entry leaves
+        return StaticPolicy(evict=evict_oldest)  # the window: the oldest entry leaves

@@ -16,7 +16,7 @@ import torch
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive
-from kvbench.methods.omnikv_select import select_by_last_query, select_by_window, static_choice
+from kvbench.methods.omnikv_select import select_by_last_query, select_by_window, static_choice, static_segment
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -229,10 +229,10 @@ class OmniKV(Method):
         if not num_layers or self.selected_tokens(n, num_layers) >= n:
             return StaticPolicy()  # every layer attends densely (the default path's ``_choose`` gives None)
         if layer_idx in self.filters(num_layers):
-            return StaticPolicy(select="filter", source=layer_idx, prompt=n, top=self.selected_tokens(n, num_layers),
-                                selector=self.selector, window_reading=self.window_reading, choose=static_choice)
+            return StaticPolicy(choose=static_choice, selection=(layer_idx, n),
+                                params=(n, self.selected_tokens(n, num_layers), self.selector, self.window_reading))
         source = self._segment_filter(layer_idx, num_layers)
-        return StaticPolicy() if source is None else StaticPolicy(select="segment", source=source, prompt=n)
+        return StaticPolicy() if source is None else StaticPolicy(attend=static_segment, selection=(source, n))
 
     def static_refusal(self) -> str:
         return f"offload={self.offload} gathers the selected tokens from a context bank on the host"

@@ -104,18 +104,30 @@ def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, dim=-1).indices.sort(-1).values
 
 
-def static_choice(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                  row_state: dict[str, torch.Tensor], chosen: torch.Tensor, scaling: float, prompt: int, top: int,
-                  selector: str, window_reading: str, rope_inv_freq: torch.Tensor | None) -> None:
-    """OmniKV's filter layer on a static layer (``engine.static.static_step``'s ``choose``): the ``top`` of the
-    ``prompt`` first slots of ``keys`` ``(B, Hkv, C, D)`` by this step's ``query`` (``selector="last"`` /
-    ``softmax_before_last``), or by the window of recent queries in ``row_state`` (``uniform`` / ``exp``), written into
-    ``chosen`` ``(B, 1, prompt)`` in place: the selection its segment's sparse layers attend."""
+def static_choice(slots, policy) -> None:
+    """OmniKV's filter layer on a static layer (``engine.static.StaticPolicy.choose``): the ``top`` of the ``prompt``
+    first slots of ``slots.keys`` ``(B, Hkv, C, D)`` by this step's query (``selector="last"`` /
+    ``softmax_before_last``), or by the window of recent queries in ``slots.row_state`` (``uniform`` / ``exp``),
+    written into ``slots.chosen`` ``(B, 1, prompt)`` in place: the selection its segment's sparse layers attend.
+    ``params``: (prompt, top, selector, window reading)."""
+    prompt, top, selector, window_reading = policy.params
+    query, keys, chosen, row_state = slots.query, slots.keys, slots.chosen, slots.row_state
     if selector in ("uniform", "exp"):
-        newest = positions[:, 0].masked_fill(~valid[:, 0], -1).amax(-1)  # (B,): this step's token
+        newest = slots.positions[:, 0].masked_fill(~slots.valid[:, 0], -1).amax(-1)  # (B,): this step's token
+        rope = slots.rope_inv_freq if window_reading == "official_code" else None
         slide_window(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], query, newest)
         chosen.copy_(window_choice(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], keys[:, :, :prompt],
-                                   scaling, top, selector, window_reading, rope_inv_freq).unsqueeze(1))
+                                   slots.scaling, top, selector, window_reading, rope).unsqueeze(1))
     else:
-        index = select_by_last_query(query, keys[:, :, :prompt], scaling, top, softmax=selector != "last")
+        index = select_by_last_query(query, keys[:, :, :prompt], slots.scaling, top, softmax=selector != "last")
         chosen.copy_(torch.zeros_like(chosen).scatter_(-1, index.unsqueeze(1), True))
+
+
+def static_segment(slots, policy) -> torch.Tensor:
+    """A sparse layer of OmniKV's segment on a static layer (``engine.static.StaticPolicy.attend``): the valid slots
+    among its filter layer's choice of prompt slots (``slots.chosen`` ``(B, 1, prompt)``) and every slot after the
+    prompt."""
+    b, _, c = slots.valid.shape
+    prompt = slots.chosen.shape[-1]
+    after = torch.ones(b, 1, c - prompt, dtype=torch.bool, device=slots.valid.device)
+    return slots.valid & torch.cat([slots.chosen, after], dim=-1)

@@ -107,14 +107,14 @@ class Quest(Method):
         return mins, maxs
 
     def static_policy(self, capacity: int, layer_idx: int = 0):
-        """``engine.compile``: the same page choice inside the static step (``engine.static.page_selection``), with
-        page metadata recomputed from the slots; the first ``dense_layers`` layers attend to everything."""
+        """The captured decode step: the same page choice on the static layer (``static_pages``), with page
+        metadata recomputed from the slots; the first ``dense_layers`` layers attend to everything."""
         from kvbench.engine.static import StaticPolicy
 
         if layer_idx < self.dense_layers:
             return StaticPolicy()
-        return StaticPolicy(select="pages", page_size=self.page_size, pages=capacity // self.page_size,
-                            group_agg=self.group_agg)
+        return StaticPolicy(attend=static_pages, slot_multiple=self.page_size,
+                            params=(self.page_size, capacity // self.page_size, self.group_agg))
 
     # ---- engine hook ---------------------------------------------------------------------------------------------
     def select(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
@@ -138,3 +138,31 @@ class Quest(Method):
         tokens = (top.unsqueeze(-1) * p + offsets).flatten(-2)
         last = torch.arange((num_pages - 1) * p, t, device=top.device).expand(b, hkv, -1)
         return torch.cat([tokens, last], dim=-1)
+
+
+def static_pages(slots, policy) -> torch.Tensor:
+    """Quest's step on a static layer (``engine.static.StaticPolicy.attend``) whose slots are in position order
+    (nothing is evicted; slot ``i`` of a row holds its ``i``-th entry; the slot count a multiple of the page size):
+    the slots ``(B, Hkv, C)`` of the ``pages - 1`` complete-or-partial pages with the highest criticality bound
+    ``Σ_c max(q_c m_c, q_c M_c)`` (``engine.scores.page_bounds``) among all but the newest entry's page, plus that
+    page. Per-page key minima / maxima are recomputed from the slots (no state; one pass over the cache). With fewer
+    pages than ``pages`` every valid page is chosen (Quest's dense step). ``params``: (page size, pages, group
+    aggregation)."""
+    page_size, pages, group_agg = policy.params
+    keys, valid, query = slots.keys, slots.valid, slots.query
+    b, hkv, c, d = keys.shape
+    p = c // page_size
+    pages = min(pages, p + 1)  # a page budget the slots can hold
+    paged = keys.view(b, hkv, p, page_size, d)
+    slot_valid = valid.view(b, hkv, p, page_size)
+    empty = ~slot_valid.unsqueeze(-1)
+    mins = paged.masked_fill(empty, float("inf")).amin(3)
+    maxs = paged.masked_fill(empty, float("-inf")).amax(3)
+    bounds = page_bounds(query.view(b, hkv, -1, d), mins, maxs)  # (B, Hkv, g, P)
+    scores = bounds.amax(2) if group_agg == "max" else bounds.mean(2)
+    last = (valid.sum(-1, keepdim=True) - 1) // page_size  # (B, Hkv, 1): the newest entry's page
+    candidate = slot_valid.any(-1).scatter(-1, last, False)
+    scores = scores.masked_fill(~candidate, float("-inf"))  # also the NaNs of empty pages' infinite bounds
+    chosen = torch.zeros_like(candidate).scatter(-1, torch.topk(scores, pages - 1, dim=-1).indices, True)
+    chosen = chosen.scatter(-1, last, True)
+    return valid & chosen.repeat_interleave(page_size, dim=-1)

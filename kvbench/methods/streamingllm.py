@@ -90,9 +90,9 @@ class StreamingLLM(Method):
         keep_top(layer, self._keep_scores(layer, ctx.capacity), ctx.capacity)
 
     def static_policy(self, capacity: int, layer_idx: int = 0):
-        from kvbench.engine.static import StaticPolicy
+        from kvbench.engine.static import StaticPolicy, evict_oldest
 
-        return StaticPolicy("oldest", sinks=self.sink_size) if self.variant == "paper" else StaticPolicy()
+        return StaticPolicy(evict=evict_oldest, params=(self.sink_size,)) if self.variant == "paper" else StaticPolicy()
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper":

@@ -80,4 +80,16 @@ class TOVA(Method):
     def static_policy(self, capacity: int, layer_idx: int = 0):
         from kvbench.engine.static import StaticPolicy
 
-        return StaticPolicy() if self.variant == "kvpress_prefill" else StaticPolicy("least_attended")
+        if self.variant == "kvpress_prefill":
+            return StaticPolicy()
+        return StaticPolicy(evict=static_evict, needs_probs=True)
+
+
+def static_evict(slots, probs, policy) -> None:
+    """TOVA's decode step on a static layer (``engine.static.StaticPolicy.evict``): the entry this step's query
+    attends to least, averaged over all query heads, leaves every KV head (the new one included)."""
+    from kvbench.engine.static import evict_one
+
+    b, hkv, c = slots.valid.shape
+    key = probs[:, :, :, -1].mean((1, 2)).unsqueeze(1).expand(b, hkv, c).masked_fill(~slots.valid, float("inf"))
+    evict_one(slots.valid, key, slots.capacity)
