@@ -17,8 +17,8 @@
 #               -> results/bench/llama3-8b-random/gpu_targets/<device>/ (cells resume if a later run repeats it)
 # Budget on one H100/H200: 8 minutes in all (KVBENCH_SESSION_SECONDS=480): install at most 120 s, the check 200 s,
 # the bench what is left (at least 60 s); --device cpu: 15 minutes, the check 480 s. A step that times out is recorded
-# as such; later steps still run. KVBENCH_BENCH_ARGS adds bench overrides (only_grids=[0,1]: the prefill and decode
-# grids without the max-batch searches); a bench cut by its timeout resumes from its stored cells when run again.
+# as such; later steps still run. KVBENCH_BENCH_ARGS adds bench overrides (only_grids=[0]: gpu_targets' batch-1 grid
+# alone, without batch 16); a bench cut by its timeout resumes from its stored cells when run again.
 # Exit status: 0 when every step passed, 2 when the install refused, 1 otherwise. summary.txt lists each step.
 #
 # Rehearsed on a CPU, 2026-11-27 (2 shared cores, python 3.11), offline, in a fresh venv holding what the GPU image
@@ -100,7 +100,7 @@ fi
 step check "$check_seconds" "$python" scripts/gpu_check.py "${check_args[@]}" --out "$out/gpu_check.json" || status=1
 left=$((total - (SECONDS - start) - 20))
 [ "$left" -lt 60 ] && left=60
-read -r -a extra_bench_args <<< "${KVBENCH_BENCH_ARGS:-}"  # e.g. KVBENCH_BENCH_ARGS='only_grids=[0,1]'
+read -r -a extra_bench_args <<< "${KVBENCH_BENCH_ARGS:-}"  # e.g. KVBENCH_BENCH_ARGS='only_grids=[0]'
 step bench "$left" "$python" -m kvbench.bench "${bench_args[@]}" "${extra_bench_args[@]}" || status=1
 echo "kvbench session: $((SECONDS - start)) s; $( [ $status -eq 0 ] && echo 'every step passed' || echo 'a step failed' ) (summary.txt); results in $out"
 exit $status

