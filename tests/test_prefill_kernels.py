@@ -40,8 +40,6 @@ GROWS = {
               "chunks < i formed, a loop of n / chunk steps",
     "kvzip": "the context reconstruction: one repeat forward per chunk_size=2048 prompt tokens (the official KVzip "
              "and kvpress chunking), each through every layer",
-    "pyramidinfer": "its masked prefill attention (layer l attends only to what layer l-1 kept) runs in query chunks "
-                    "of 512 for memory, one more einsum/softmax pass per chunk; layer 0 attends as the model does",
     "sirllm": "not in the attention layers (equal per layer): the engine's TokenLogits applies the LM head 256 "
               "positions at a time to score the prompt's token entropies (observe_logits, outside the layers)",
 }
