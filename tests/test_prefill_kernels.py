@@ -7,6 +7,50 @@ form whose kernels do not grow with the prompt: the column sums as two fused att
 one batched pass of blocks and its merge in a fixed number of blocks, KVMerger's merging sets by a similarity staircase
 and pointer doubling on the device, D2O's nearest kept entries in one pass. And the scoring paths read nothing back to
 the host (``.item()``, ``bool(t)``, ``nonzero``, boolean indexing): a read serialises the GPU's queue.
+
+Issue #37 (prefill within bounds on the GPU for every method): every method that runs on the toy model, per attention
+layer. Measured with ``_prefill_counts`` (``few_kernels=True``, budget 128, the 3-layer toy Llama, one row, torch 2.13
+CPU): kernels and host reads in layers 0/1/2, then ``+`` those outside every attention module (embeddings, norms,
+MLPs, the LM head: 74 kernels; SirLLM's ``observe_logits``; KVzip's repeat forwards outside attention). A method's
+cross-layer ``finish_prefill`` runs inside the last layer's attention (D2O's 220 reads there: its allocation's
+bisection, once per prompt).
+
+| method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
+|---|---|---|---|---|
+| adakv | 98/96/109 +74 | 98/96/109 +74 | 15/14/15 +0 | 15/14/15 +0 |
+| cam | 268/266/276 +74 | 268/266/276 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| chunkkv | 74/72/82 +74 | 74/72/82 +74 | 5/4/5 +0 | 5/4/5 +0 |
+| d2o | 55/53/1226 +74 | 55/53/1226 +74 | 1/0/220 +0 | 1/0/220 +0 |
+| dynamickv (budget 64) | 55/53/113 +74 | 55/53/113 +74 | 2/1/12 +0 | 2/1/12 +0 |
+| expected_attention | 86/84/94 +74 | 86/84/94 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| fullkv (no budget) | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
+| h2o | 81/72/82 +74 | 81/72/82 +74 | 4/2/3 +0 | 4/2/3 +0 |
+| infllm (GROWS) | 1260/1258/1268 +74 | 5148/5146/5156 +74 | 1/0/1 +0 | 1/0/1 +0 |
+| keydiff (GROWS) | 189/187/197 +74 | 693/691/701 +74 | 3/2/3 +0 | 3/2/3 +0 |
+| knorm | 39/37/47 +74 | 39/37/47 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| kvmerger | 1585/1583/1593 +74 | 1585/1583/1593 +74 | 3/2/3 +0 | 3/2/3 +0 |
+| kvzip (GROWS) | 145/138/148 +265 | 774/762/772 +346 | 1/0/1 +24 | 1/0/1 +24 |
+| lminfinite | 127/125/135 +74 | 127/125/135 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| local | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| omnikv | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
+| pod | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
+| pyramidinfer | 52/58/59 +74 | 52/58/59 +74 | 1/0/1 +0 | 1/0/1 +0 |
+| pyramidkv | 65/63/73 +74 | 65/63/73 +74 | 6/5/6 +0 | 6/5/6 +0 |
+| quest | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
+| roco (GROWS) | 35021/35019/35029 +74 | 154829/154827/154837 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| sirllm (GROWS) | 25/23/33 +230 | 25/23/33 +266 | 1/0/1 +4 | 1/0/1 +4 |
+| snapkv | 54/52/62 +74 | 54/52/62 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| streamingllm | 48/46/56 +74 | 48/46/56 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| think | 54/52/98 +74 | 54/52/98 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| tova | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| dynamickv (budget 128: a branch, see BUDGETS) | 43/41/101 +74 | 55/53/113 +74 | 1/0/11 +0 | 2/1/12 +0 |
+
+GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM
+(3.7x) launch a constant but large number of kernels per layer (1,585 and 268), AdaKV (1.44x) reads the device 15
+times per layer, DynamicKV 12 times in its last layer, D2O 220 times in its allocation; KeyDiff (1.97x), KVzip (18.7x)
+and RoCo (54 s) grow with the prompt (``GROWS``). RoCo's row was measured at 1k and 4k as the others (9 s and
+62 s under the dispatch mode); the test runs it at 160 and 320 tokens (``LENGTHS``). PyramidInfer's layers 1-2 took
+66 -> 114 kernels before its masked attention ran in passes of ``PASS_BYTES`` with ``few_kernels``.
 """
 
 from __future__ import annotations
@@ -33,18 +77,18 @@ from kvbench.methods.kvmerger_ops import device_sets, merge_sets, runs_of
 GROWS = {
     "keydiff": "the paper's block-wise procedure (kvpress BlockPress, mode=block, the default): each block of "
                "block_size=128 tokens is scored against what the previous blocks kept, a sequential loop of "
-               "(n - budget) / 128 steps; mode=whole_prompt is one scoring",
+               "(n - budget) / 128 steps, 21 kernels each (189 -> 693 per layer); mode=whole_prompt is one scoring",
     "roco": "the published procedure evicts per token (stride=1): token t attends over the cache that token t-1's "
-            "eviction left, a loop of n - budget steps of ~37 kernels per layer",
-    "infllm": "the official chunked prefill: chunk i (exc_block_size, clamped to n_local) retrieves memory blocks that "
-              "chunks < i formed, a loop of n / chunk steps",
+            "eviction left, a loop of n - budget steps, 39 kernels each (35,021 -> 154,829 per layer)",
+    "infllm": "the official chunked prefill: chunk i (exc_block_size 512, clamped to n_local) attends over the memory "
+              "blocks that chunks < i formed, a loop of n / chunk steps (1,260 -> 5,148 per layer)",
     "kvzip": "the context reconstruction: one repeat forward per chunk_size=2048 prompt tokens (the official KVzip "
-             "and kvpress chunking), each through every layer",
+             "and kvpress chunking), each through every layer (145 -> 774 in layer 0, 265 -> 346 outside)",
     "sirllm": "not in the attention layers (equal per layer): the engine's TokenLogits applies the LM head 256 "
-              "positions at a time to score the prompt's token entropies (observe_logits, outside the layers)",
+              "positions at a time to score the prompt's tokens (observe_logits, outside the layers: 230 -> 266)",
 }
 # prompt lengths where 1k and 4k would take too long under the dispatch mode (RoCo: 9 s at 1k, 62 s at 4k)
-LENGTHS = {"roco": (256, 512)}
+LENGTHS = {"roco": (160, 320)}
 # DynamicKV at budget 128 keeps a temporary r_max x base = 10 x 120 = 1,200 entries per layer first, which holds a
 # 1k prompt whole (its first keep_top is skipped; 12 kernels and one read per layer fewer than at 4k, a branch, not a
 # loop): at budget 64 (560) both prompts take the same path
