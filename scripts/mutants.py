@@ -150,6 +150,11 @@ MUTANTS = [
            "        if False:\n            return _blocked(",
            ["tests/test_prefill_kernels.py", "-k", "lminfinite"],
            "prefill: the chunk loop (kernels growing with the prompt) where the GPU's blocked form is asked for"),
+    Mutant("pyramidinfer-chunks-on-gpu", "pyramidinfer", "kvbench/methods/pyramidinfer.py",
+           "        if ctx.few_kernels:  # a launch-bound device",
+           "        if False:  # a launch-bound device",
+           ["tests/test_prefill_kernels.py", "-k", "pyramidinfer"],
+           "masked prompt attention: passes of 512 queries (kernels growing with the prompt) where few are asked for"),
     # ---- POD (kvbench/methods/pod.py, pod_attention.py) -------------------------------------------------------
     Mutant("pod-shared-distant-only", "pod", "kvbench/methods/pod.py",
            'self._shared[ctx.layer_idx] = logits.masked_fill(~dist, float("-inf"))',

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import make_layer
+from helpers import kept_positions, make_layer
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
 from kvbench.engine.attention import grouped_attention
@@ -179,6 +179,23 @@ def test_through_the_engine(toy_llama):
         greedy_generate(toy_llama, [prompt], 2, [255], 0)
     w, contexts = paper_contexts(200, 3, 0.2, 0.9, "cosine", 64)
     assert session.stats.layer_entries_after_prefill == [w + c for c in contexts]
+
+
+def test_the_one_pass_prefill_attention_is_the_chunked_one(toy_llama):
+    """``few_kernels`` (a GPU's form): the masked prompt attention in passes of ``PASS_BYTES`` (here one) instead of
+    512 queries gives the same logits and keeps the same entries in every layer (its kernels:
+    tests/test_prefill_kernels.py)."""
+    ids = torch.randint(3, 250, (1, 1300), generator=torch.Generator().manual_seed(5))
+    b = Budget.parse(128)
+    results = []
+    for few in (False, True):
+        with CompressionSession(toy_llama, build_method({"name": "pyramidinfer"}, b), b, few_kernels=few) as session:
+            logits = toy_llama(ids, use_cache=True).logits[0, -1]
+            results.append((logits, [kept_positions(session._layers[i]) for i in range(3)]))
+    (chunked, kept_chunked), (one_pass, kept_one_pass) = results
+    torch.testing.assert_close(one_pass, chunked, rtol=0, atol=1e-5)
+    assert kept_one_pass == kept_chunked
+    assert len(kept_chunked[2][0]) < len(kept_chunked[0][0]) < 1300  # compressed, as a pyramid
 
 
 def test_bad_fields():

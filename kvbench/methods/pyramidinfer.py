@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
 
 STRATEGIES = ("cosine", "constant")
 ALLOCATIONS = ("budget", "paper")
+#: float32 logits of one pass of the masked prefill attention with ``PrefillContext.few_kernels`` (a GPU's form): its
+#: kernels do not grow with the prompt until the prompt's logits exceed this (the CPU's form: passes of 512 queries)
+PASS_BYTES = 1 << 30
 
 
 def decay(layer: int, num_layers: int, ratio: float, strategy: str) -> float:
@@ -192,9 +195,12 @@ class PyramidInfer(Method):
         q, keys, values = ctx.queries, layer.keys[:, :, chosen], layer.values[:, :, chosen]
         b, hq, n, d = q.shape
         hkv = keys.shape[1]
+        rows = 512
+        if ctx.few_kernels:  # a launch-bound device: as few passes as PASS_BYTES allows
+            rows = max(rows, PASS_BYTES // (b * hq * keys.shape[2] * 4))
         outs = []
-        for start in range(0, n, 512):
-            stop = min(n, start + 512)
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
             qg = q[:, :, start:stop].float().view(b, hkv, hq // hkv, stop - start, d)
             logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys.float()) * ctx.scaling
             qpos = torch.arange(start, stop, device=q.device).view(-1, 1)
