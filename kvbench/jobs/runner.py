@@ -64,10 +64,13 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         records = jobdir.read_records(repair=True)
         done = {r["id"] for r in records}
         todo = [s for s in samples if s.id not in done]
-        jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key, "resolved": resolved_config(cfg)})))
         meta = job_meta(job, jobdir.hash, loaded, cfg, started=time.time())
         meta["model"]["shared_load"] = shared  # loaded once by a sweep worker for several jobs (its record has it)
-        jobdir.write_meta(meta)
+        if todo or not (jobdir.path / "meta.json").exists():  # a run that adds nothing leaves the job's files alone
+            jobdir.set_aside_scores(cfg.limit)  # a summary of another limit would describe a subset of the records
+            jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key,
+                                                                    "resolved": resolved_config(cfg)})))
+            jobdir.write_meta(meta)
         bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget_label}",
                    unit="sample", disable=None)
         def new_session() -> CompressionSession:
@@ -107,7 +110,10 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             jobdir.discard_if_empty()  # stopped before its first record: nothing is stored (earlier records stay)
             raise
         bar.close()
-        records = [r for r in jobdir.read_records() if r["id"] in {s.id for s in samples}]
+        stored = jobdir.read_records()
+        records = [r for r in stored if r["id"] in {s.id for s in samples}]
+        # the job's summary describes all its stored records; a limit run over fewer writes its own beside it
+        subset = cfg.limit is not None and len(records) < len(stored)
         scores = job_scores(job, records, samples, cfg)
         errors = jobdir.read_errors()
         scores["n_failed"] = len(errors)
@@ -115,9 +121,15 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         if errors:
             log.error("%d sample(s) failed (ids in scores.json, causes in %s); the scores cover the others and a "
                       "rerun retries them", len(errors), jobdir.errors_path)
-        meta.update(job_meta_end(loaded, records, finished=time.time()))
-        jobdir.write_meta(meta)
-        jobdir.write_scores(scores)
+        if subset:
+            jobdir.write_subset_scores(scores)
+            log.info("limit=%d covers %d of the job's %d stored records: its scores are in %s (scores.json, which "
+                     "describes them all, is unchanged)", cfg.limit, len(records), len(stored),
+                     jobdir.subset_scores_path(cfg.limit))
+        else:
+            meta.update(job_meta_end(loaded, records, finished=time.time()))
+            jobdir.write_meta(meta)
+            jobdir.write_scores(scores)
     _log_wandb(cfg, job, scores, records, meta)
     _print_table(cfg, job, scores, jobdir, skipped=False)
     return scores

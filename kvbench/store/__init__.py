@@ -5,7 +5,9 @@
         meta.json       git sha, package versions, hardware, protocol, timings, memory
         samples.jsonl   one record per finished sample, appended and fsynced as it finishes
         errors.jsonl    samples that raised in the last run (id, error, traceback); they get no record and are retried
-        scores.json     aggregate scores over the planned samples (written atomically, last)
+        scores.json     aggregate scores over all the job's stored records (written atomically, last)
+        scores.limit-<N>.json   a ``limit=N`` run's scores when the job stores more records than its first N
+                        samples: a smaller limit never rewrites the job's own summary
         failed.json     why the last attempt failed (exception, cancellation, dead worker; host, time, traceback
                         tail), written by the sweep worker; removed when scores.json is written
         .lock           held (flock) by the process running the job
@@ -65,6 +67,13 @@ def atomic_write_text(path: Path, text: str, fault_point: str | None = None) -> 
         raise
 
 
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def _safe(part: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.=" else "_" for c in str(part)) or "_"
 
@@ -100,8 +109,9 @@ class JobDir:
             self._lock_fh.close()
             self._lock_fh = None
             raise JobLockedError(f"job {self.path} is being run by another process; skipping it") from None
-        for name in ("config.yaml", "meta.json", "scores.json"):  # written only under this lock: a temp file left
-            for stale in self.path.glob(f".{name}.*"):  # by a kill between write and rename is garbage now
+        # written only under this lock: a temp file left by a kill between write and rename is garbage now
+        for name in ("config.yaml", "meta.json", "scores.json", "scores.limit-*.json"):
+            for stale in self.path.glob(f".{name}.*"):
                 stale.unlink(missing_ok=True)
         return self
 
@@ -143,12 +153,30 @@ class JobDir:
         except json.JSONDecodeError:
             return None
 
+    def subset_scores_path(self, limit: int) -> Path:
+        """Where a ``limit`` run's scores go when the job stores more records than that run covers."""
+        return self.path / f"scores.limit-{limit}.json"
+
     def finished_scores(self, limit: int | None) -> dict[str, Any] | None:
-        """The scores of a finished run with the same ``limit`` (what ``run_job`` and the sweep skip), else None."""
+        """The scores of a finished run with the same ``limit`` (what ``run_job`` and the sweep skip), else None:
+        the job's ``scores.json``, or for a ``limit`` the subset's summary beside it."""
+        for scores in (self.read_scores(),
+                       None if limit is None else _read_json(self.subset_scores_path(limit))):
+            if scores is not None and scores.get("limit") == limit and not scores.get("n_failed"):
+                return scores  # a run with failed samples is not finished: the next run retries them
+        return None
+
+    def write_subset_scores(self, scores: dict[str, Any]) -> None:
+        """A ``limit`` run over fewer samples than the job stores: its summary goes beside ``scores.json``."""
+        atomic_write_text(self.subset_scores_path(scores["limit"]),
+                          json.dumps(scores, indent=2, sort_keys=True, default=str) + "\n")
+
+    def set_aside_scores(self, limit: int | None) -> None:
+        """Before records are appended: a ``scores.json`` written by a run with another ``limit`` would describe a
+        subset of the records once they are; it moves to its own ``scores.limit-<N>.json`` (still true of its N)."""
         scores = self.read_scores()
-        if scores is None or scores.get("limit") != limit or scores.get("n_failed"):
-            return None  # a run with failed samples is not finished: the next run retries them
-        return scores
+        if scores is not None and isinstance(scores.get("limit"), int) and scores["limit"] != limit:
+            os.replace(self.scores_path, self.subset_scores_path(scores["limit"]))
 
     def is_finished(self, planned_ids: list[str]) -> bool:
         scores = self.read_scores()

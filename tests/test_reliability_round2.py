@@ -1,0 +1,79 @@
+"""Reliability, second round (issue #38): nothing a user types damages a stored result. A smaller ``limit`` never
+rewrites a finished job's summary; bad input, a corrupted record, Ctrl-C and an unwritable results directory are one
+line each, before any model loads, with nothing created. Every job runs in a subprocess on the tiny random model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+JOB = ["model=tiny-random", "task=passkey", "task.context_lengths=[256]", "task.depths=[10,50,90]", "method=h2o",
+       "budget=64", "task.max_new_tokens=6"]  # 3 samples
+
+
+def _env(results: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVBENCH_FAULT"}
+    return {**env, "KVBENCH_RESULTS_DIR": str(results), "OMP_NUM_THREADS": "1", **extra}
+
+
+def _run(results: Path, args, timeout: int = 300, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbench.run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(results, **extra))
+
+
+def _job_dir(results: Path) -> Path:
+    (job,) = [p for p in (results / "runs").glob("*/*/*/*/*") if p.is_dir()]
+    return job
+
+
+def _checksums(results: Path) -> dict[str, str]:
+    """sha256 of every file under the results root (the store's checksum: nothing may change)."""
+    return {str(p.relative_to(results)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(results.rglob("*")) if p.is_file() and "logs" not in p.relative_to(results).parts}
+
+
+# ---- 1. a job's summary describes all its stored records -----------------------------------------------------------
+def test_a_smaller_limit_reports_its_subset_and_leaves_the_jobs_summary_alone(tmp_path):
+    assert _run(tmp_path, [*JOB, "print_table=false"]).returncode == 0
+    job = _job_dir(tmp_path)
+    before = _checksums(tmp_path)
+    full = json.loads((job / "scores.json").read_text())
+    assert full["n_samples"] == 3 and full["limit"] is None
+
+    subset = _run(tmp_path, [*JOB, "limit=2"])
+    assert subset.returncode == 0, subset.stderr[-2000:]
+    assert "2 samples" in subset.stdout  # the subset it was asked for is reported
+    after = _checksums(tmp_path)
+    for name in ("scores.json", "samples.jsonl", "meta.json", "config.yaml"):
+        key = str((job / name).relative_to(tmp_path))
+        assert after[key] == before[key], f"{name} was rewritten by a limit=2 run"
+    beside = json.loads((job / "scores.limit-2.json").read_text())  # the subset's summary, named, beside
+    assert beside["n_samples"] == 2 and beside["limit"] == 2
+
+    plan = _run(tmp_path, [*JOB, "plan=true"], timeout=120)
+    assert plan.returncode == 0 and "finished" in plan.stdout and "resumes" not in plan.stdout, plan.stdout
+    plan2 = _run(tmp_path, [*JOB, "limit=2", "plan=true"], timeout=120)
+    assert plan2.returncode == 0 and "finished" in plan2.stdout and "resumes" not in plan2.stdout, plan2.stdout
+    again = _run(tmp_path, [*JOB, "limit=2"], KVBENCH_FAULT="model_load:1")  # skipped before any model loads
+    assert again.returncode == 0 and "finished earlier; skipped" in again.stdout, again.stderr[-2000:]
+    verify = subprocess.run([sys.executable, "-m", "kvbench.store", "verify", "--results", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0 and "1 finished" in verify.stdout, verify.stdout
+
+
+def test_a_full_run_after_a_limited_one_moves_the_limited_summary_aside(tmp_path):
+    """limit=2 first (its scores.json describes all 2 stored records), then a full run that is killed after its
+    third record: scores.json must not stay behind describing 2 of the 3 stored records."""
+    assert _run(tmp_path, [*JOB, "limit=2", "print_table=false"]).returncode == 0
+    job = _job_dir(tmp_path)
+    killed = _run(tmp_path, [*JOB, "print_table=false"], KVBENCH_FAULT="scores_write:1")
+    assert killed.returncode == -9
+    assert len((job / "samples.jsonl").read_text().splitlines()) == 3
+    assert not (job / "scores.json").exists()
+    assert json.loads((job / "scores.limit-2.json").read_text())["n_samples"] == 2
+    plan = _run(tmp_path, [*JOB, "plan=true"], timeout=120)
+    assert "resumes" in plan.stdout, plan.stdout
