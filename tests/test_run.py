@@ -118,6 +118,14 @@ BAD = [
     (["task.nosuchkey=1"], "task 'needle_chat' has no field nosuchkey; valid fields: buffer_tokens, "),
     (["task=passkey", "+task.nosuchkey=1"], "task 'passkey' has no field(s) nosuchkey; valid fields: "),
     (["-m", "+experiment=cpu_baselines", "task.nosuch=1"], "task 'needle_chat' has no field nosuch; valid fields: "),
+    # a value of the wrong type names the field and its type (issue #38: window=abc compared str with int, window=1.5
+    # ran and failed on every sample)
+    (["method.window=abc"], "method 'snapkv': window='abc' must be an integer (window: int)"),
+    (["method.window=1.5"], "method 'snapkv': window=1.5 must be an integer (window: int)"),
+    (["method=h2o", "method.recent_ratio=abc"], "method 'h2o': recent_ratio='abc' must be a number (recent_ratio: "
+                                                "float)"),
+    (["method=cla", "method.allow_untrained=yes"], "allow_untrained='yes' must be true or false"),
+    (["task=passkey", "task.max_new_tokens=2.5"], "task 'passkey': max_new_tokens=2.5 must be an integer"),
     # a ratio below the method's minimum even on the model's longest prompt, refused like budget=16 (no model loads)
     (["budget=0.0000001"], "budget=1e-07 resolves to 1 token per layer even on the longest prompt model "
                            "'smollm2-135m' takes (8192 tokens), below the minimum 33 tokens per layer of method "
