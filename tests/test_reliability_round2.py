@@ -77,3 +77,47 @@ def test_a_full_run_after_a_limited_one_moves_the_limited_summary_aside(tmp_path
     assert json.loads((job / "scores.limit-2.json").read_text())["n_samples"] == 2
     plan = _run(tmp_path, [*JOB, "plan=true"], timeout=120)
     assert "resumes" in plan.stdout, plan.stdout
+
+
+# ---- 2. every bad input: one line naming the value and what is valid, exit 2, nothing created ---------------------
+def _assert_one_line_refusal(proc: subprocess.CompletedProcess, message: str, results: Path) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "Loading" not in proc.stderr + proc.stdout
+
+
+UNKNOWN = [
+    (["foo=1"], "unknown top-level value 'foo'; valid: "),
+    (["+foo=1", "plan=true"], "unknown top-level value 'foo'; valid: "),
+    (["engine.nosuch=1"], "unknown top-level value 'engine.nosuch'; valid: "),
+    (["+budget=64"], "budget is already set; set it without the '+' (budget=...)"),
+]
+
+
+def test_unknown_top_level_values_are_one_line_and_create_nothing(tmp_path):
+    for args, message in UNKNOWN:
+        results = tmp_path / "results"
+        proc = _run(results, args, timeout=60, KVBENCH_FAULT="model_load:1")
+        _assert_one_line_refusal(proc, message, results)
+        if "unknown" in message:  # the valid values are listed
+            assert "batch_size" in proc.stderr and "engine.compile" in proc.stderr
+        assert not results.exists(), sorted(results.rglob("*"))
+
+
+def test_help_lists_every_top_level_value(tmp_path):
+    """--help's list of top-level values is generated from conf/config.yaml: every value there is listed."""
+    from omegaconf import OmegaConf
+
+    from kvbench.config import CONF_DIR
+
+    helped = _run(tmp_path / "results", ["--help"], timeout=60)
+    assert helped.returncode == 0
+    (line,) = [x for x in helped.stdout.splitlines() if x.startswith("Top-level values:")]
+    listed = {v.strip() for v in line.partition(":")[2].split(",")}
+    root = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))
+    expected = {f"{k}.{sub}" if isinstance(v, dict) else k for k, v in root.items() if k != "defaults"
+                for sub in (v if isinstance(v, dict) else [None])}
+    assert expected == listed, (sorted(expected - listed), sorted(listed - expected))
+    for name in ("question", "turns", "turn_history", "sliding_layers", "engine.compile", "strict", "plan"):
+        assert name in listed
