@@ -121,3 +121,32 @@ def test_help_lists_every_top_level_value(tmp_path):
     assert expected == listed, (sorted(expected - listed), sorted(listed - expected))
     for name in ("question", "turns", "turn_history", "sliding_layers", "engine.compile", "strict", "plan"):
         assert name in listed
+
+
+# ---- a corrupted record: one line pointing at store verify --clean, which sets it aside --------------------------
+def test_a_corrupted_record_stops_the_run_in_one_line_and_verify_clean_sets_it_aside(tmp_path):
+    assert _run(tmp_path, [*JOB, "print_table=false"]).returncode == 0
+    job = _job_dir(tmp_path)
+    (job / "scores.json").unlink()  # an unfinished job: the next run reads its records
+    lines = (job / "samples.jsonl").read_text().splitlines(keepends=True)
+    lines[1] = lines[1][:40] + "\x00garbage" + lines[1][60:]  # the middle record, corrupted in place
+    (job / "samples.jsonl").write_text("".join(lines))
+    before = _checksums(tmp_path)
+
+    proc = _run(tmp_path, JOB, KVBENCH_FAULT="model_load:1")
+    _assert_one_line_refusal(proc, "samples.jsonl line 2 is not a record", tmp_path)
+    assert "python -m kvbench.store verify --clean" in proc.stderr
+    assert _checksums(tmp_path) == before
+    plan = _run(tmp_path, [*JOB, "plan=true"], timeout=120)
+    assert plan.returncode == 0 and "line 2 is not a record" in plan.stdout, plan.stdout + plan.stderr
+
+    cleaned = subprocess.run([sys.executable, "-m", "kvbench.store", "verify", "--clean", "--results", str(tmp_path)],
+                             capture_output=True, text=True, timeout=120)
+    assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
+    assert "samples.corrupt.jsonl" in cleaned.stdout
+    assert (job / "samples.corrupt.jsonl").read_text() == lines[1]  # set aside, not deleted
+    assert len((job / "samples.jsonl").read_text().splitlines()) == 2
+    resumed = _run(tmp_path, [*JOB, "print_table=false"])  # redoes the sample whose record was corrupted
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert len((job / "samples.jsonl").read_text().splitlines()) == 3
+    assert json.loads((job / "scores.json").read_text())["n_samples"] == 3

@@ -43,6 +43,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     done_scores = _finished(cfg, job, jobdir)
     if done_scores is not None:
         return done_scores
+    jobdir.read_records()  # a corrupted record stops the job here, before anything loads
 
     from kvbench.engine import CompressionSession
 

@@ -28,13 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import faults
-from kvbench.errors import KVBenchError
+from kvbench.errors import DataError, KVBenchError
 
 
 class JobLockedError(KVBenchError):
     """Another process holds the job's lock (exit code 3: busy, not bad input)."""
 
     exit_code = 3
+
+
+class CorruptRecordError(DataError):
+    """A complete line of samples.jsonl that is not a record (a torn last line is a kill's, and is repaired)."""
 
 
 def canonical_json(obj: Any) -> str:
@@ -190,9 +194,18 @@ class JobDir:
         data = self.samples_path.read_bytes()
         good_end = data.rfind(b"\n") + 1
         records = []
-        for line in data[:good_end].splitlines():
+        for number, line in enumerate(data[:good_end].splitlines(), 1):
             if line.strip():
-                records.append(json.loads(line))
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or "id" not in record:
+                        raise ValueError("not a record")
+                except ValueError:  # a complete line that is not a record: not a kill's doing, never guessed at
+                    raise CorruptRecordError(
+                        f"{self.samples_path} line {number} is not a record (corrupted); run `python -m kvbench.store "
+                        f"verify --clean --results {self.path.parents[5]}` to set it aside (the next run redoes "
+                        "its sample)") from None
+                records.append(record)
         if repair and good_end < len(data):
             with open(self.samples_path, "r+b") as fh:
                 fh.truncate(good_end)
