@@ -77,7 +77,12 @@ def main() -> None:
         from kvbench.sweep.pending import register_pending_placeholders
 
         register_pending_placeholders()
-    _hydra_main()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line (a job says what it kept), not Python's traceback
+        message = str(exc) or "interrupted; a rerun of the same command resumes any job it started"
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(130)
     sweeper = sys.modules.get("kvbench.sweep.sweeper")
     if sweeper is not None and sweeper.sweep_exit_code():
         sys.exit(sweeper.sweep_exit_code())

@@ -150,3 +150,34 @@ def test_a_corrupted_record_stops_the_run_in_one_line_and_verify_clean_sets_it_a
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert len((job / "samples.jsonl").read_text().splitlines()) == 3
     assert json.loads((job / "scores.json").read_text())["n_samples"] == 3
+
+
+# ---- Ctrl-C: one line with the records kept, exit 130 ------------------------------------------------------------
+def test_ctrl_c_during_a_run_is_one_line_saying_what_was_kept(tmp_path):
+    import re
+    import signal
+    import time
+
+    args = ["model=tiny-random", "task=passkey", "task.context_lengths=[256,384,512]",
+            "task.depths=[0,10,20,30,40,50,60,70,80,90]", "method=h2o", "budget=64", "task.max_new_tokens=32",
+            "print_table=false"]  # 30 samples: seconds of work after the first record
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.run", *args], env=_env(tmp_path), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline, samples = time.time() + 240, None
+    while time.time() < deadline and proc.poll() is None:
+        found = list((tmp_path / "runs").glob("*/*/*/*/*/samples.jsonl"))
+        if found and found[0].read_text().count("\n") >= 1:
+            samples = found[0]
+            break
+        time.sleep(0.02)
+    assert samples is not None, "the job never wrote a record"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("h2o@64", "\r"))]
+    lines = [line for line in lines if "sample/s" not in line and "it/s" not in line]  # tqdm's bar, when shown
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    kept = samples.read_text().count("\n")
+    match = re.search(r"interrupted: (\d+) of 30 records are kept .* run the same command again to resume", lines[0])
+    assert match and int(match.group(1)) == kept and kept < 30, lines[0]
+    assert not (samples.parent / "scores.json").exists()

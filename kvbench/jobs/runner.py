@@ -4,6 +4,7 @@ and the tests call ``run_job``; it never calls them."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
 
     torch.manual_seed(cfg.seed)
     job.task.prepare_data()  # a missing download fails here, before the model loads
-    with jobdir:
+    with jobdir, _interruptible(jobdir) as progress:
         done_scores = _finished(cfg, job, jobdir)  # another process may have finished it before this one took the lock
         if done_scores is not None:
             return done_scores
@@ -62,6 +63,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             raise
         if cfg.limit is not None:
             samples = samples[: cfg.limit]
+        progress["planned"] = len(samples)
         records = jobdir.read_records(repair=True)
         done = {r["id"] for r in records}
         todo = [s for s in samples if s.id not in done]
@@ -134,6 +136,30 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     _log_wandb(cfg, job, scores, records, meta)
     _print_table(cfg, job, scores, jobdir, skipped=False)
     return scores
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a job, with what it kept: ``python -m kvbench.run`` prints it as one line and exits 130. A
+    KeyboardInterrupt still, so whatever stops on Ctrl-C (a sweep, a test runner) stops on it."""
+
+
+@contextlib.contextmanager
+def _interruptible(jobdir: Any):
+    """Turn Ctrl-C inside a job into ``JobInterrupted`` saying how many of its records are kept (all finished
+    records are on disk: each is fsynced as it finishes) and that a rerun resumes."""
+    progress: dict[str, int] = {}
+    try:
+        yield progress
+    except KeyboardInterrupt:
+        try:
+            kept = len(jobdir.read_records())
+        except KVBenchError:
+            kept = 0
+        if not kept:
+            jobdir.discard_if_empty()
+        planned = f" of {progress['planned']}" if "planned" in progress else ""
+        raise JobInterrupted(f"interrupted: {kept}{planned} records are kept in {jobdir.path}; run the same command "
+                             "again to resume") from None
 
 
 def _obtain_model(spec: Any, loaded: Any) -> Any:

@@ -20,8 +20,9 @@ Every job directory ``runs/<4 parts>/<hash12>/`` is classified:
   atomic write.
 
 ``--clean`` removes orphaned directories and temp files, repairs torn lines and moves complete lines that are not
-records to ``samples.corrupt.jsonl`` (the next run redoes their samples); it never deletes records or scores (inconsistent and uncompressed jobs are reported for a human to decide). Exit code 0 when nothing is wrong,
-1 otherwise.
+records to ``samples.corrupt.jsonl`` (the next run redoes their samples); it never deletes records or scores
+(inconsistent and uncompressed jobs are reported for a human to decide). Exit code 0 when nothing is wrong, 1
+otherwise.
 """
 
 from __future__ import annotations
