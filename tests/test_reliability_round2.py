@@ -181,3 +181,23 @@ def test_ctrl_c_during_a_run_is_one_line_saying_what_was_kept(tmp_path):
     match = re.search(r"interrupted: (\d+) of 30 records are kept .* run the same command again to resume", lines[0])
     assert match and int(match.group(1)) == kept and kept < 30, lines[0]
     assert not (samples.parent / "scores.json").exists()
+
+
+# ---- 5. report commands on a directory without runs ---------------------------------------------------------------
+def test_report_commands_without_runs_say_so_and_exit_2(tmp_path, capsys):
+    from kvbench.report.cli import main as report_main
+
+    empty, missing = tmp_path / "empty", tmp_path / "missing"
+    empty.mkdir()
+    for results in (empty, missing):
+        for command in (["tables"], ["figures"], ["all"], []):
+            argv = [*command, "--results", str(results)]
+            assert report_main(argv) == 2, argv
+            err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+            assert len(err) == 1 and err[0].startswith("error: ") and str(results) in err[0], (argv, err)
+            assert "--paper-only" in err[0] or command in (["figures"], ["all"]), err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"], "a report created a directory"
+        assert list(empty.iterdir()) == []
+    # the papers' tables alone stay one explicit flag away
+    assert report_main(["tables", "--paper-only", "--tables", "DynamicKV:2"]) == 0
+    assert "DynamicKV" in capsys.readouterr().out
