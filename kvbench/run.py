@@ -70,6 +70,7 @@ def main() -> None:
     _expose_hydra_plugins()
     try:
         precheck_overrides(sys.argv[1:])
+        _preflight(sys.argv[1:])
     except KVBenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
@@ -86,6 +87,34 @@ def main() -> None:
     sweeper = sys.modules.get("kvbench.sweep.sweeper")
     if sweeper is not None and sweeper.sweep_exit_code():
         sys.exit(sweeper.sweep_exit_code())
+
+
+def _preflight(argv: list[str]) -> None:
+    """One job's checks before Hydra creates anything (its log directory lives under the results root): compose the
+    config as Hydra will, refuse a results directory that cannot be written, then plan the job (every value checked,
+    nothing loaded) and refuse a job another process is running. Sweeps and Hydra's own flags (--help, --cfg) are
+    left to Hydra and the sweeper; a config that does not compose is left to Hydra to explain."""
+    if _is_sweep(argv) or any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR
+    from kvbench.jobs.runner import refuse_before_loading
+    from kvbench.store import JobDir, JobLockedError, check_results_writable
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=argv)
+    except Exception:  # noqa: BLE001 - Hydra reports its own composition errors when it runs
+        return
+    check_results_writable(cfg.paths.results_dir)
+    if cfg.plan:
+        return  # the listing shows an invalid job as such
+    job = plan_job(cfg)
+    refuse_before_loading(job)
+    jobdir = JobDir(cfg.paths.results_dir, job.parts, job.key)
+    if jobdir.finished_scores(cfg.limit) is None and jobdir.lock_held():
+        raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
 
 
 def _is_sweep(argv: list[str]) -> bool:

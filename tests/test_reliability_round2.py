@@ -201,3 +201,100 @@ def test_report_commands_without_runs_say_so_and_exit_2(tmp_path, capsys):
     # the papers' tables alone stay one explicit flag away
     assert report_main(["tables", "--paper-only", "--tables", "DynamicKV:2"]) == 0
     assert "DynamicKV" in capsys.readouterr().out
+
+
+# ---- 3. a results directory that cannot be written: one line before anything -------------------------------------
+def test_an_unwritable_results_directory_is_one_line_before_anything(tmp_path):
+    """/sys refuses new files even to root (a read-only mount is the same to kvbench: the probe write fails)."""
+    results = Path("/sys/kvbench-results-test")
+    for args in (JOB, [*JOB, "plan=true"]):
+        proc = _run(results, args, timeout=60, KVBENCH_FAULT="model_load:1")
+        _assert_one_line_refusal(proc, f"results directory {results} ", results)
+        assert "KVBENCH_RESULTS_DIR" in proc.stderr
+
+
+def test_the_write_probe_names_a_read_only_or_full_results_directory(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    import pytest
+
+    from kvbench.errors import DataError
+    from kvbench.store import check_results_writable
+
+    check_results_writable(tmp_path / "not" / "yet")  # a directory that does not exist yet: its parent is probed
+    assert not (tmp_path / "not").exists() and list(tmp_path.iterdir()) == []
+    for code, words in ((errno.EROFS, "is on a read-only file system"), (errno.ENOSPC, "has no space left")):
+        def refuse(*args, code=code, **kwargs):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(tempfile, "mkstemp", refuse)
+        with pytest.raises(DataError, match=f"results directory {tmp_path} {words}"):
+            check_results_writable(tmp_path)
+
+
+def test_store_verify_reads_a_store_it_cannot_write(tmp_path, monkeypatch, capsys):
+    """verify only reads: probing a job's lock must not need write access (it opened .lock with 'a+': EROFS)."""
+    import builtins
+    import errno
+
+    from kvbench.store import config_hash
+    from kvbench.store.verify import main as verify_main
+
+    job = tmp_path / "runs" / "m" / "t" / "me" / "64" / config_hash({"k": 1})[:12]
+    job.mkdir(parents=True)
+    (job / ".lock").touch()
+    (job / "config.yaml").write_text("key: {k: 1}\n")
+    (job / "samples.jsonl").write_text('{"id": "a"}\n')
+    real_open = builtins.open
+
+    def read_only(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only)
+    assert verify_main(["verify", "--results", str(tmp_path)]) == 0
+    assert "incomplete" in capsys.readouterr().out  # records, no scores: resumable
+
+
+# ---- 4. refusals that need no model happen before it loads -------------------------------------------------------
+def test_a_locked_job_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import fcntl
+
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR, register_resolvers
+    from kvbench.jobs import plan_job
+    from kvbench.store import JobDir
+
+    monkeypatch.setenv("KVBENCH_RESULTS_DIR", str(tmp_path))
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        job = plan_job(compose(config_name="config", overrides=JOB))
+    jobdir = JobDir(tmp_path, job.parts, job.key)
+    jobdir.path.mkdir(parents=True)
+    with open(jobdir.path / ".lock", "a+") as held:  # another process's run of the same job
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = _run(tmp_path, JOB, timeout=60, KVBENCH_FAULT="model_load:1")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "being run by another process" in lines[0], proc.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+REFUSED_BEFORE_LOAD = [
+    (["model=falcon-7b"], "is a 'falcon' model"),
+    (["model=internlm2.5-7b-chat-1m"], "is a 'internlm2' model"),
+    (["engine.compile=true", "method=roco"], "engine.compile=true: method 'roco' has no static decode step"),
+]
+
+
+def test_refusals_that_need_no_model_come_before_it_and_before_the_network(tmp_path):
+    for args, message in REFUSED_BEFORE_LOAD:
+        results = tmp_path / "results"
+        # no network: a refusal that reached the hub would print retries and a connection error, not this line
+        proc = _run(results, args, timeout=60, KVBENCH_FAULT="model_load:1", HF_HUB_OFFLINE="1",
+                    HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+        _assert_one_line_refusal(proc, message, results)
+        assert not results.exists(), sorted(results.rglob("*"))

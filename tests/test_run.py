@@ -142,7 +142,7 @@ def test_bad_input_is_one_clear_line(tmp_path, args, message, monkeypatch):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and "Loading" not in proc.stderr + proc.stdout  # no model loaded
-    assert not (tmp_path / "results" / "runs").exists()
+    assert not (tmp_path / "results").exists()  # nothing at all, not even Hydra's log directory (issue #38)
 
 
 def test_dotted_overrides_list_the_dataclass_fields():

@@ -36,7 +36,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
-    from kvbench.store import JobDir
+    from kvbench.store import JobDir, JobLockedError
 
     job = plan_job(cfg)
     results_dir = Path(cfg.paths.results_dir)
@@ -44,7 +44,10 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     done_scores = _finished(cfg, job, jobdir)
     if done_scores is not None:
         return done_scores
+    refuse_before_loading(job)
     jobdir.read_records()  # a corrupted record stops the job here, before anything loads
+    if jobdir.lock_held():  # another process runs it: say so now, not after this one has loaded the model
+        raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
 
     from kvbench.engine import CompressionSession
 
@@ -160,6 +163,14 @@ def _interruptible(jobdir: Any):
         planned = f" of {progress['planned']}" if "planned" in progress else ""
         raise JobInterrupted(f"interrupted: {kept}{planned} records are kept in {jobdir.path}; run the same command "
                              "again to resume") from None
+
+
+def refuse_before_loading(job: Job) -> None:
+    """Refusals that need neither the model nor the network, made before either (``kvbench.run`` makes them before
+    Hydra too): a model family whose attention no method can reach, known from its local config or hub id."""
+    from kvbench.models.loading import refuse_known_architecture
+
+    refuse_known_architecture(job.spec)
 
 
 def _obtain_model(spec: Any, loaded: Any) -> Any:

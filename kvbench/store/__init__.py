@@ -71,6 +71,44 @@ def atomic_write_text(path: Path, text: str, fault_point: str | None = None) -> 
         raise
 
 
+def open_lock_for_probe(lock: Path):
+    """A job's ``.lock`` opened to probe it: for writing where possible (NFS emulates flock with write locks), else
+    read-only (a read-only store: local flock needs no write access)."""
+    try:
+        return open(lock, "a+")
+    except OSError:
+        return open(lock)
+
+
+def check_results_writable(results_dir: str | Path) -> None:
+    """Refuse, in one line, a results directory kvbench cannot write (read-only, no permission, full), before
+    anything is created or loaded: a probe file is written, fsynced and removed in the directory, or in its nearest
+    existing parent when it does not exist yet (nothing is left behind either way)."""
+    import errno
+
+    path = Path(results_dir)
+    probe_dir = path
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    where = "" if probe_dir == path else f" (it does not exist; its parent {probe_dir} cannot be written)"
+    if not probe_dir.is_dir():
+        raise DataError(f"results directory {path} cannot be created: {probe_dir} is not a directory; set "
+                        "KVBENCH_RESULTS_DIR or paths.results_dir to a writable directory")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe_dir, prefix=".kvbench-write-probe-")
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+    except OSError as exc:
+        why = {errno.EROFS: "is on a read-only file system", errno.ENOSPC: "has no space left",
+               errno.EDQUOT: "has no space left (disk quota)"}.get(exc.errno, "cannot be written")
+        raise DataError(f"results directory {path} {why}{where} ({exc.strerror}); set KVBENCH_RESULTS_DIR or "
+                        "paths.results_dir to a writable directory") from None
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -130,7 +168,7 @@ class JobDir:
         lock = self.path / ".lock"
         if self._lock_fh is not None or not lock.exists():
             return self._lock_fh is not None
-        with open(lock, "a+") as fh:
+        with open_lock_for_probe(lock) as fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

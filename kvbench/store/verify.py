@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from kvbench.store import config_hash, ids_digest
+from kvbench.store import config_hash, ids_digest, open_lock_for_probe
 from kvbench.store.compression import uncompressed_reason
 
 STATES = ("finished", "running", "incomplete", "failed", "uncompressed", "inconsistent", "orphaned")
@@ -67,7 +67,7 @@ def _locked(path: Path) -> bool:
     lock = path / ".lock"
     if not lock.exists():
         return False
-    with open(lock, "a+") as fh:
+    with open_lock_for_probe(lock) as fh:  # verify needs no write access to probe a lock
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
