@@ -113,8 +113,11 @@ def _preflight(argv: list[str]) -> None:
     job = plan_job(cfg)
     refuse_before_loading(job)
     jobdir = JobDir(cfg.paths.results_dir, job.parts, job.key)
-    if jobdir.finished_scores(cfg.limit) is None and jobdir.lock_held():
+    if jobdir.finished_scores(cfg.limit) is not None:
+        return  # skipped by the run, which says so
+    if jobdir.lock_held():
         raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
+    job.task.prepare_data()  # local data checked, or downloaded once: a missing copy is one line, before Hydra
 
 
 def _is_sweep(argv: list[str]) -> bool:

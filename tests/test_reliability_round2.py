@@ -298,3 +298,17 @@ def test_refusals_that_need_no_model_come_before_it_and_before_the_network(tmp_p
                     HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
         _assert_one_line_refusal(proc, message, results)
         assert not results.exists(), sorted(results.rglob("*"))
+
+
+def test_missing_task_data_without_the_hub_is_one_line_before_anything(tmp_path):
+    """task=longbench with no local copy and no hub: one line, at once (no retries), before Hydra and the model."""
+    import time
+
+    results = tmp_path / "results"
+    started = time.time()
+    proc = _run(results, ["model=tiny-random", "task=longbench"], timeout=120, KVBENCH_FAULT="model_load:1",
+                KVBENCH_CACHE_DIR=str(tmp_path / "cache"), HF_ENDPOINT="http://127.0.0.1:9")
+    _assert_one_line_refusal(proc, "task 'longbench': could not download data.zip", results)
+    assert "task.data_dir" in proc.stderr and "Retry" not in proc.stderr + proc.stdout
+    assert time.time() - started < 30
+    assert not results.exists(), sorted(results.rglob("*"))
