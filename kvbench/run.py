@@ -94,7 +94,8 @@ def _preflight(argv: list[str]) -> None:
     config as Hydra will, refuse a results directory that cannot be written, then plan the job (every value checked,
     nothing loaded) and refuse a job another process is running. Sweeps and Hydra's own flags (--help, --cfg) are
     left to Hydra and the sweeper; a config that does not compose is left to Hydra to explain."""
-    if _is_sweep(argv) or any(a.startswith("-") for a in argv):
+    sweep = _is_sweep(argv)
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
         return
     from hydra import compose, initialize_config_dir
 
@@ -102,12 +103,16 @@ def _preflight(argv: list[str]) -> None:
     from kvbench.jobs.runner import refuse_before_loading
     from kvbench.store import JobDir, JobLockedError, check_results_writable
 
+    # a sweep: only where its results go (its jobs are planned by the sweeper)
+    overrides = [a for a in argv if a.partition("=")[0].startswith("paths.")] if sweep else argv
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=argv)
+            cfg = compose(config_name="config", overrides=overrides)
     except Exception:  # noqa: BLE001 - Hydra reports its own composition errors when it runs
         return
     check_results_writable(cfg.paths.results_dir)
+    if sweep:
+        return
     if cfg.plan:
         return  # the listing shows an invalid job as such
     job = plan_job(cfg)

@@ -207,7 +207,7 @@ def test_report_commands_without_runs_say_so_and_exit_2(tmp_path, capsys):
 def test_an_unwritable_results_directory_is_one_line_before_anything(tmp_path):
     """/sys refuses new files even to root (a read-only mount is the same to kvbench: the probe write fails)."""
     results = Path("/sys/kvbench-results-test")
-    for args in (JOB, [*JOB, "plan=true"]):
+    for args in (JOB, [*JOB, "plan=true"], ["-m", *JOB[:-2], "budget=64,96"]):
         proc = _run(results, args, timeout=60, KVBENCH_FAULT="model_load:1")
         _assert_one_line_refusal(proc, f"results directory {results} ", results)
         assert "KVBENCH_RESULTS_DIR" in proc.stderr
