@@ -122,6 +122,7 @@ def _preflight(argv: list[str]) -> None:
         return  # skipped by the run, which says so
     if jobdir.lock_held():
         raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
+    jobdir.read_records()  # a corrupted record: one line pointing at store verify --clean
     job.task.prepare_data()  # local data checked, or downloaded once: a missing copy is one line, before Hydra
 
 

@@ -131,12 +131,12 @@ def test_a_corrupted_record_stops_the_run_in_one_line_and_verify_clean_sets_it_a
     lines = (job / "samples.jsonl").read_text().splitlines(keepends=True)
     lines[1] = lines[1][:40] + "\x00garbage" + lines[1][60:]  # the middle record, corrupted in place
     (job / "samples.jsonl").write_text("".join(lines))
-    before = _checksums(tmp_path)
+    before, logs_before = _checksums(tmp_path), sorted((tmp_path / "logs").rglob("*"))
 
     proc = _run(tmp_path, JOB, KVBENCH_FAULT="model_load:1")
     _assert_one_line_refusal(proc, "samples.jsonl line 2 is not a record", tmp_path)
     assert "python -m kvbench.store verify --clean" in proc.stderr
-    assert _checksums(tmp_path) == before
+    assert _checksums(tmp_path) == before and sorted((tmp_path / "logs").rglob("*")) == logs_before
     plan = _run(tmp_path, [*JOB, "plan=true"], timeout=120)
     assert plan.returncode == 0 and "line 2 is not a record" in plan.stdout, plan.stdout + plan.stderr
 
