@@ -44,7 +44,16 @@ def run_id() -> str:
     return os.environ.setdefault("KVBENCH_RUN_ID", f"{os.getpid()}-{secrets.token_hex(2)}")
 
 
+def help_top_level_values() -> str:
+    """``--help``'s list of top-level values, read from conf/config.yaml (so it cannot go stale)."""
+    from kvbench.overrides import top_level_values
+
+    return ", ".join(top_level_values())
+
+
 def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("kvbench_top_level_values"):
+        OmegaConf.register_new_resolver("kvbench_top_level_values", help_top_level_values)
     if not OmegaConf.has_resolver("kvbench_root"):
         OmegaConf.register_new_resolver("kvbench_root", project_root)
     if not OmegaConf.has_resolver("kvbench_local_workers"):

@@ -20,7 +20,7 @@ def _group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def precheck_overrides(argv: list[str]) -> None:
+def precheck_overrides(argv: list[str], config_name: str = "config") -> None:
     """Reject unknown group options, unknown fields of the chosen model/method/task and malformed budgets in one line
     (Hydra would print a multi-line error and exit with 1).
 
@@ -30,6 +30,10 @@ def precheck_overrides(argv: list[str]) -> None:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, _, value = arg.partition("=")
+        problem = _top_level_problem(arg, config_name)
+        if problem:
+            problems.append(problem)
+            continue
         key = key.lstrip("+~")
         if key in GROUPS:
             options = _group_options(key)
@@ -42,6 +46,54 @@ def precheck_overrides(argv: list[str]) -> None:
     problems += _field_problems(argv, skip=bad_groups)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+#: keys a command line may set besides a config's values and groups: Hydra's own, kvbench's sweep workers'
+_OTHER_ROOTS = ("hydra", "sweep_chunk")
+
+
+def _root_config(config_name: str) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / f"{config_name}.yaml"), resolve=False)
+
+
+def top_level_values(config_name: str = "config") -> list[str]:
+    """The values conf/<config_name>.yaml sets besides its groups, in its order (a mapping's keys dotted:
+    engine.compile): what ``--help`` lists and what a command line may set."""
+    names = []
+    for key, value in _root_config(config_name).items():
+        if key == "defaults":
+            continue
+        names += [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else [key]
+    return names
+
+
+def _config_groups(config_name: str) -> set[str]:
+    """The groups of the config's defaults list (paths, model, ...; ``override hydra/sweeper`` is Hydra's)."""
+    groups = set()
+    for entry in _root_config(config_name).get("defaults", []):
+        if isinstance(entry, dict):
+            groups.update(str(k).split()[-1].partition("/")[0] for k in entry)
+    return groups
+
+
+def _top_level_problem(arg: str, config_name: str = "config") -> str | None:
+    """An override of a top-level value the config lacks (``foo=1``, ``+foo=1``: Hydra would refuse the first in six
+    lines and silently accept the second) or ``+`` on one it has; None for groups, their fields and Hydra's keys."""
+    if arg.startswith("++"):
+        return None  # adds or overrides whatever is there: an explicit escape hatch
+    op = arg[0] if arg[0] in "+~" else ""
+    key = arg[len(op):].partition("=")[0]
+    root = key.partition(".")[0]
+    if "/" in key or root in GROUPS or root in _OTHER_ROOTS or root in _config_groups(config_name):
+        return None
+    known = top_level_values(config_name)
+    containers = {name.partition(".")[0] for name in known if "." in name}
+    if key in known or (key in containers and op == "~"):
+        if op == "+":
+            return f"{key} is already set; set it without the '+' ({key}=...)"
+        return None
+    groups = sorted(_config_groups(config_name) - {"hydra"})
+    return f"unknown top-level value {key!r}; valid: {', '.join(known)} (and the groups {', '.join(groups)})"
 
 
 def _field_problems(argv: list[str], skip: set[str]) -> list[str]:

@@ -70,6 +70,7 @@ def main() -> None:
     _expose_hydra_plugins()
     try:
         precheck_overrides(sys.argv[1:])
+        _preflight(sys.argv[1:])
     except KVBenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
@@ -77,10 +78,52 @@ def main() -> None:
         from kvbench.sweep.pending import register_pending_placeholders
 
         register_pending_placeholders()
-    _hydra_main()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line (a job says what it kept), not Python's traceback
+        message = str(exc) or "interrupted; a rerun of the same command resumes any job it started"
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(130)
     sweeper = sys.modules.get("kvbench.sweep.sweeper")
     if sweeper is not None and sweeper.sweep_exit_code():
         sys.exit(sweeper.sweep_exit_code())
+
+
+def _preflight(argv: list[str]) -> None:
+    """One job's checks before Hydra creates anything (its log directory lives under the results root): compose the
+    config as Hydra will, refuse a results directory that cannot be written, then plan the job (every value checked,
+    nothing loaded) and refuse a job another process is running. Sweeps and Hydra's own flags (--help, --cfg) are
+    left to Hydra and the sweeper; a config that does not compose is left to Hydra to explain."""
+    sweep = _is_sweep(argv)
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR
+    from kvbench.jobs.runner import refuse_before_loading
+    from kvbench.store import JobDir, JobLockedError, check_results_writable
+
+    # a sweep: only where its results go (its jobs are planned by the sweeper)
+    overrides = [a for a in argv if a.partition("=")[0].startswith("paths.")] if sweep else argv
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+    except Exception:  # noqa: BLE001 - Hydra reports its own composition errors when it runs
+        return
+    check_results_writable(cfg.paths.results_dir)
+    if sweep:
+        return
+    if cfg.plan:
+        return  # the listing shows an invalid job as such
+    job = plan_job(cfg)
+    refuse_before_loading(job)
+    jobdir = JobDir(cfg.paths.results_dir, job.parts, job.key)
+    if jobdir.finished_scores(cfg.limit) is not None:
+        return  # skipped by the run, which says so
+    if jobdir.lock_held():
+        raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
+    jobdir.read_records()  # a corrupted record: one line pointing at store verify --clean
+    job.task.prepare_data()  # local data checked, or downloaded once: a missing copy is one line, before Hydra
 
 
 def _is_sweep(argv: list[str]) -> bool:

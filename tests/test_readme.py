@@ -156,3 +156,24 @@ def test_render_replaces_only_between_markers_and_rejects_unknown_blocks(tmp_pat
         readme.render("<!-- kvbench:nope -->\n<!-- /kvbench:nope -->\n", ROOT)
     with pytest.raises(ValueError, match="unbalanced"):
         readme.render("<!-- kvbench:tasks -->\n", ROOT)
+
+
+def test_the_run_sections_sample_output_is_the_default_jobs():
+    """The README's sample output of `python -m kvbench.run` names the default job's directory (its config hash, which
+    tests/test_protocols.py pins) and the default model, method, budget and task (issue #38: the hash went stale)."""
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR, register_resolvers
+    from kvbench.jobs import plan_job
+    from kvbench.store import config_hash
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        job = plan_job(compose(config_name="config"))
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    sample = text.split("## Run", 1)[1].split("\n\n    python -m kvbench.run\n", 1)[1].split("\n\n", 2)[1]
+    model, task, method, budget = job.parts
+    assert f"results: results/runs/{model}/{task}/{method}/{budget}/{config_hash(job.key)[:12]}" in sample, sample
+    assert sample.splitlines()[0].startswith(f"    {model}: ")
+    row = [cell.strip() for cell in sample.splitlines()[3].split("|")]
+    assert row[:3] == [method, budget, task], row

@@ -499,7 +499,7 @@ def test_all_regenerates_identically(tmp_path, fixture_runs):
 
 
 def test_cli_writes_tables_and_rejects_bad_names(tmp_path, capsys):
-    assert report_main(["tables", "--tables", "DynamicKV:2", "--results", str(tmp_path), "--out",
+    assert report_main(["tables", "--paper-only", "--tables", "DynamicKV:2", "--results", str(tmp_path), "--out",
                         str(tmp_path / "t")]) == 0
     assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["dynamickv_t2.csv", "dynamickv_t2.md",
                                                                   "dynamickv_t2.tex"]

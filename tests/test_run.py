@@ -118,6 +118,14 @@ BAD = [
     (["task.nosuchkey=1"], "task 'needle_chat' has no field nosuchkey; valid fields: buffer_tokens, "),
     (["task=passkey", "+task.nosuchkey=1"], "task 'passkey' has no field(s) nosuchkey; valid fields: "),
     (["-m", "+experiment=cpu_baselines", "task.nosuch=1"], "task 'needle_chat' has no field nosuch; valid fields: "),
+    # a value of the wrong type names the field and its type (issue #38: window=abc compared str with int, window=1.5
+    # ran and failed on every sample)
+    (["method.window=abc"], "method 'snapkv': window='abc' must be an integer (window: int)"),
+    (["method.window=1.5"], "method 'snapkv': window=1.5 must be an integer (window: int)"),
+    (["method=h2o", "method.recent_ratio=abc"], "method 'h2o': recent_ratio='abc' must be a number (recent_ratio: "
+                                                "float)"),
+    (["method=cla", "method.allow_untrained=yes"], "allow_untrained='yes' must be true or false"),
+    (["task=passkey", "task.max_new_tokens=2.5"], "task 'passkey': max_new_tokens=2.5 must be an integer"),
     # a ratio below the method's minimum even on the model's longest prompt, refused like budget=16 (no model loads)
     (["budget=0.0000001"], "budget=1e-07 resolves to 1 token per layer even on the longest prompt model "
                            "'smollm2-135m' takes (8192 tokens), below the minimum 33 tokens per layer of method "
@@ -134,7 +142,7 @@ def test_bad_input_is_one_clear_line(tmp_path, args, message, monkeypatch):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr and "Loading" not in proc.stderr + proc.stdout  # no model loaded
-    assert not (tmp_path / "results" / "runs").exists()
+    assert not (tmp_path / "results").exists()  # nothing at all, not even Hydra's log directory (issue #38)
 
 
 def test_dotted_overrides_list_the_dataclass_fields():

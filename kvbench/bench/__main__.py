@@ -23,7 +23,7 @@ def main() -> None:
                 options = sorted(p.stem for p in (CONF_DIR / "bench").glob("*.yaml"))
                 if arg.partition("=")[2] not in options:
                     raise ConfigError(f"unknown bench {arg.partition('=')[2]!r}; valid benches: {', '.join(options)}")
-        precheck_overrides([a for a in sys.argv[1:] if not a.startswith("bench=")])
+        precheck_overrides([a for a in sys.argv[1:] if not a.startswith("bench=")], config_name="bench")
     except KVBenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

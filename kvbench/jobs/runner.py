@@ -4,6 +4,7 @@ and the tests call ``run_job``; it never calls them."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
-    from kvbench.store import JobDir
+    from kvbench.store import JobDir, JobLockedError
 
     job = plan_job(cfg)
     results_dir = Path(cfg.paths.results_dir)
@@ -43,12 +44,16 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     done_scores = _finished(cfg, job, jobdir)
     if done_scores is not None:
         return done_scores
+    refuse_before_loading(job)
+    jobdir.read_records()  # a corrupted record stops the job here, before anything loads
+    if jobdir.lock_held():  # another process runs it: say so now, not after this one has loaded the model
+        raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
 
     from kvbench.engine import CompressionSession
 
     torch.manual_seed(cfg.seed)
     job.task.prepare_data()  # a missing download fails here, before the model loads
-    with jobdir:
+    with jobdir, _interruptible(jobdir) as progress:
         done_scores = _finished(cfg, job, jobdir)  # another process may have finished it before this one took the lock
         if done_scores is not None:
             return done_scores
@@ -61,13 +66,17 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             raise
         if cfg.limit is not None:
             samples = samples[: cfg.limit]
+        progress["planned"] = len(samples)
         records = jobdir.read_records(repair=True)
         done = {r["id"] for r in records}
         todo = [s for s in samples if s.id not in done]
-        jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key, "resolved": resolved_config(cfg)})))
         meta = job_meta(job, jobdir.hash, loaded, cfg, started=time.time())
         meta["model"]["shared_load"] = shared  # loaded once by a sweep worker for several jobs (its record has it)
-        jobdir.write_meta(meta)
+        if todo or not (jobdir.path / "meta.json").exists():  # a run that adds nothing leaves the job's files alone
+            jobdir.set_aside_scores(cfg.limit)  # a summary of another limit would describe a subset of the records
+            jobdir.write_config(OmegaConf.to_yaml(OmegaConf.create({"key": job.key,
+                                                                    "resolved": resolved_config(cfg)})))
+            jobdir.write_meta(meta)
         bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=f"{job.method.name}@{job.budget_label}",
                    unit="sample", disable=None)
         def new_session() -> CompressionSession:
@@ -107,7 +116,10 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
             jobdir.discard_if_empty()  # stopped before its first record: nothing is stored (earlier records stay)
             raise
         bar.close()
-        records = [r for r in jobdir.read_records() if r["id"] in {s.id for s in samples}]
+        stored = jobdir.read_records()
+        records = [r for r in stored if r["id"] in {s.id for s in samples}]
+        # the job's summary describes all its stored records; a limit run over fewer writes its own beside it
+        subset = cfg.limit is not None and len(records) < len(stored)
         scores = job_scores(job, records, samples, cfg)
         errors = jobdir.read_errors()
         scores["n_failed"] = len(errors)
@@ -115,12 +127,50 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
         if errors:
             log.error("%d sample(s) failed (ids in scores.json, causes in %s); the scores cover the others and a "
                       "rerun retries them", len(errors), jobdir.errors_path)
-        meta.update(job_meta_end(loaded, records, finished=time.time()))
-        jobdir.write_meta(meta)
-        jobdir.write_scores(scores)
+        if subset:
+            jobdir.write_subset_scores(scores)
+            log.info("limit=%d covers %d of the job's %d stored records: its scores are in %s (scores.json, which "
+                     "describes them all, is unchanged)", cfg.limit, len(records), len(stored),
+                     jobdir.subset_scores_path(cfg.limit))
+        else:
+            meta.update(job_meta_end(loaded, records, finished=time.time()))
+            jobdir.write_meta(meta)
+            jobdir.write_scores(scores)
     _log_wandb(cfg, job, scores, records, meta)
     _print_table(cfg, job, scores, jobdir, skipped=False)
     return scores
+
+
+class JobInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a job, with what it kept: ``python -m kvbench.run`` prints it as one line and exits 130. A
+    KeyboardInterrupt still, so whatever stops on Ctrl-C (a sweep, a test runner) stops on it."""
+
+
+@contextlib.contextmanager
+def _interruptible(jobdir: Any):
+    """Turn Ctrl-C inside a job into ``JobInterrupted`` saying how many of its records are kept (all finished
+    records are on disk: each is fsynced as it finishes) and that a rerun resumes."""
+    progress: dict[str, int] = {}
+    try:
+        yield progress
+    except KeyboardInterrupt:
+        try:
+            kept = len(jobdir.read_records())
+        except KVBenchError:
+            kept = 0
+        if not kept:
+            jobdir.discard_if_empty()
+        planned = f" of {progress['planned']}" if "planned" in progress else ""
+        raise JobInterrupted(f"interrupted: {kept}{planned} records are kept in {jobdir.path}; run the same command "
+                             "again to resume") from None
+
+
+def refuse_before_loading(job: Job) -> None:
+    """Refusals that need neither the model nor the network, made before either (``kvbench.run`` makes them before
+    Hydra too): a model family whose attention no method can reach, known from its local config or hub id."""
+    from kvbench.models.loading import refuse_known_architecture
+
+    refuse_known_architecture(job.spec)
 
 
 def _obtain_model(spec: Any, loaded: Any) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -303,6 +304,31 @@ UNSUPPORTED_ARCHITECTURES = {
                  "AttentionInterface; convert the checkpoint to Llama with InternLM's tools/convert2llama.py (the "
                  "weights map one to one) and load that directory with source=hf",
 }
+
+
+#: hub ids whose architecture is in UNSUPPORTED_ARCHITECTURES, known from the id alone (lower-case prefixes): the
+#: shipped configs of D2O's Falcon rows and DynamicKV's InternLM2.5 rows are refused without a download
+UNSUPPORTED_HUB_IDS = {"tiiuae/falcon": "falcon", "internlm/internlm2": "internlm2"}
+
+
+def refuse_known_architecture(spec: ModelSpec) -> None:
+    """``check_architecture`` without the network or the model: a local directory's config.json, or a hub id kvbench
+    knows (``UNSUPPORTED_HUB_IDS``). Anything else is checked from its config when the model loads."""
+    if spec.source != "hf" or spec.gguf_file or not spec.path:
+        return
+    what = f"model {spec.path!r} (source=hf)"
+    local = Path(spec.path).expanduser()
+    model_type = None
+    if (local / "config.json").is_file():
+        try:
+            model_type = json.loads((local / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return  # unreadable here: the load says why
+    else:
+        model_type = next((family for prefix, family in UNSUPPORTED_HUB_IDS.items()
+                           if spec.path.lower().startswith(prefix)), None)
+    if model_type in UNSUPPORTED_ARCHITECTURES:
+        raise NotAvailableError(f"{what} is a {model_type!r} model: {UNSUPPORTED_ARCHITECTURES[model_type]}")
 
 
 def check_architecture(path: str, common: dict[str, Any], what: str) -> None:

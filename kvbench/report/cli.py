@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvbench.errors import KVBenchError
+from kvbench.errors import DataError, KVBenchError
 
 
 def default_results() -> Path:
@@ -92,14 +92,16 @@ def write_run_tables(runs, out: Path) -> list[tuple[str, Path, str]]:
 
 
 def run_all(results: Path, out: Path, ours_models: dict[str, str], paper_tables: str = "with_ours",
-            include_uncompressed: bool = False) -> Path:
-    """Tables + figures + an index README for one results directory (experiment-agnostic)."""
+            include_uncompressed: bool = False, runs=None) -> Path:
+    """Tables + figures + an index README for one results directory (experiment-agnostic); ``runs``: its runs
+    when the caller has read them already."""
     from kvbench.report.claims import write_claims
     from kvbench.report.figures import make_figures
     from kvbench.report.specs import load_specs
     from kvbench.report.store import load_runs
 
-    runs = load_runs(results, include_uncompressed=include_uncompressed)
+    if runs is None:
+        runs = load_runs(results, include_uncompressed=include_uncompressed)
     tables_dir, figures_dir = out / "tables", out / "figures"
     run_tables = write_run_tables(runs, tables_dir)
     paper = write_paper_tables(load_specs(), runs, tables_dir, ours_models,
@@ -186,6 +188,23 @@ def check(paper_dir: Path | None = None) -> int:
     return 0
 
 
+def _runs_or_refuse(results: Path, command: str, include_uncompressed: bool):
+    """The finished runs under ``results``; none is one line (exit 2), not an empty report or the papers' tables
+    passed off as a report of this directory."""
+    from kvbench.report.store import load_runs
+
+    if not results.is_dir():
+        problem = f"results directory {results} does not exist"
+    else:
+        runs = load_runs(results, include_uncompressed=include_uncompressed)
+        if not runs.empty:
+            return runs
+        problem = f"no finished runs under {results / 'runs'}"
+    hint = ("; `python -m kvbench.report tables --paper-only` prints the papers' tables alone" if command == "tables"
+            else "; run jobs first (python -m kvbench.run ...), or pass --results")
+    raise DataError(f"{problem}: nothing to report{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("tables", "figures", "all", "check", "similarity", "readme")
@@ -217,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--ours-model", action="append", default=[], metavar="[PAPER_MODEL=]NAME",
                            help="take our numbers from this kvbench model (for every paper model, or one)")
         if name == "tables":
+            p.add_argument("--paper-only", action="store_true",
+                           help="the papers' tables alone, re-aggregated from their own cells (no runs needed; "
+                                "without it a results directory without runs is an error)")
             p.add_argument("--tables", nargs="*", default=None, metavar="PAPER[:N]",
                            help="which tables (default: all), e.g. DynamicKV:1 OmniKV")
             p.add_argument("--paper-dir", type=Path, default=None, help="default: <repo>/results/paper")
@@ -232,24 +254,38 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check":
             return check()
         results = args.results or default_results()
-        from kvbench.report.store import load_runs
+        from kvbench.report.store import RUN_COLUMNS
 
+        if args.command == "tables" and args.paper_only:
+            import pandas as pd
+
+            from kvbench.report.specs import select_specs
+
+            written = write_paper_tables(select_specs(args.tables), pd.DataFrame([], columns=RUN_COLUMNS), args.out,
+                                         {}, paper_dir=args.paper_dir)
+            if args.out is not None:
+                print(f"{len(written)} tables -> {args.out}")
+            return 0
+        if args.command == "tables":
+            from kvbench.report.specs import select_specs
+
+            select_specs(args.tables)  # a bad table name is said first
+        runs = _runs_or_refuse(results, args.command, args.include_uncompressed)
         if args.command == "figures":
             from kvbench.report.figures import make_figures
 
             out = args.out or results / "report" / "figures"
-            runs = load_runs(results, include_uncompressed=args.include_uncompressed)
             for path in make_figures(results, out, runs):
                 print(path)
             return 0
         ours = parse_ours_models(args.ours_model)
         if args.command == "all":
             out = args.out or results / "report"
-            print(run_all(results, out, ours, args.paper_tables, include_uncompressed=args.include_uncompressed))
+            print(run_all(results, out, ours, args.paper_tables, include_uncompressed=args.include_uncompressed,
+                          runs=runs))
             return 0
         from kvbench.report.specs import select_specs
 
-        runs = load_runs(results, include_uncompressed=args.include_uncompressed)
         written = write_paper_tables(select_specs(args.tables), runs, args.out, ours, paper_dir=args.paper_dir)
         if args.out is not None:
             print(f"{len(written)} tables -> {args.out}")

@@ -5,7 +5,9 @@
         meta.json       git sha, package versions, hardware, protocol, timings, memory
         samples.jsonl   one record per finished sample, appended and fsynced as it finishes
         errors.jsonl    samples that raised in the last run (id, error, traceback); they get no record and are retried
-        scores.json     aggregate scores over the planned samples (written atomically, last)
+        scores.json     aggregate scores over all the job's stored records (written atomically, last)
+        scores.limit-<N>.json   a ``limit=N`` run's scores when the job stores more records than its first N
+                        samples: a smaller limit never rewrites the job's own summary
         failed.json     why the last attempt failed (exception, cancellation, dead worker; host, time, traceback
                         tail), written by the sweep worker; removed when scores.json is written
         .lock           held (flock) by the process running the job
@@ -26,13 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import faults
-from kvbench.errors import KVBenchError
+from kvbench.errors import DataError, KVBenchError
 
 
 class JobLockedError(KVBenchError):
     """Another process holds the job's lock (exit code 3: busy, not bad input)."""
 
     exit_code = 3
+
+
+class CorruptRecordError(DataError):
+    """A complete line of samples.jsonl that is not a record (a torn last line is a kill's, and is repaired)."""
 
 
 def canonical_json(obj: Any) -> str:
@@ -63,6 +69,51 @@ def atomic_write_text(path: Path, text: str, fault_point: str | None = None) -> 
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def open_lock_for_probe(lock: Path):
+    """A job's ``.lock`` opened to probe it: for writing where possible (NFS emulates flock with write locks), else
+    read-only (a read-only store: local flock needs no write access)."""
+    try:
+        return open(lock, "a+")
+    except OSError:
+        return open(lock)
+
+
+def check_results_writable(results_dir: str | Path) -> None:
+    """Refuse, in one line, a results directory kvbench cannot write (read-only, no permission, full), before
+    anything is created or loaded: a probe file is written, fsynced and removed in the directory, or in its nearest
+    existing parent when it does not exist yet (nothing is left behind either way)."""
+    import errno
+
+    path = Path(results_dir)
+    probe_dir = path
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    where = "" if probe_dir == path else f" (it does not exist; its parent {probe_dir} cannot be written)"
+    if not probe_dir.is_dir():
+        raise DataError(f"results directory {path} cannot be created: {probe_dir} is not a directory; set "
+                        "KVBENCH_RESULTS_DIR or paths.results_dir to a writable directory")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe_dir, prefix=".kvbench-write-probe-")
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+    except OSError as exc:
+        why = {errno.EROFS: "is on a read-only file system", errno.ENOSPC: "has no space left",
+               errno.EDQUOT: "has no space left (disk quota)"}.get(exc.errno, "cannot be written")
+        raise DataError(f"results directory {path} {why}{where} ({exc.strerror}); set KVBENCH_RESULTS_DIR or "
+                        "paths.results_dir to a writable directory") from None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def _safe(part: str) -> str:
@@ -100,8 +151,9 @@ class JobDir:
             self._lock_fh.close()
             self._lock_fh = None
             raise JobLockedError(f"job {self.path} is being run by another process; skipping it") from None
-        for name in ("config.yaml", "meta.json", "scores.json"):  # written only under this lock: a temp file left
-            for stale in self.path.glob(f".{name}.*"):  # by a kill between write and rename is garbage now
+        # written only under this lock: a temp file left by a kill between write and rename is garbage now
+        for name in ("config.yaml", "meta.json", "scores.json", "scores.limit-*.json"):
+            for stale in self.path.glob(f".{name}.*"):
                 stale.unlink(missing_ok=True)
         return self
 
@@ -116,7 +168,7 @@ class JobDir:
         lock = self.path / ".lock"
         if self._lock_fh is not None or not lock.exists():
             return self._lock_fh is not None
-        with open(lock, "a+") as fh:
+        with open_lock_for_probe(lock) as fh:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -143,12 +195,30 @@ class JobDir:
         except json.JSONDecodeError:
             return None
 
+    def subset_scores_path(self, limit: int) -> Path:
+        """Where a ``limit`` run's scores go when the job stores more records than that run covers."""
+        return self.path / f"scores.limit-{limit}.json"
+
     def finished_scores(self, limit: int | None) -> dict[str, Any] | None:
-        """The scores of a finished run with the same ``limit`` (what ``run_job`` and the sweep skip), else None."""
+        """The scores of a finished run with the same ``limit`` (what ``run_job`` and the sweep skip), else None:
+        the job's ``scores.json``, or for a ``limit`` the subset's summary beside it."""
+        for scores in (self.read_scores(),
+                       None if limit is None else _read_json(self.subset_scores_path(limit))):
+            if scores is not None and scores.get("limit") == limit and not scores.get("n_failed"):
+                return scores  # a run with failed samples is not finished: the next run retries them
+        return None
+
+    def write_subset_scores(self, scores: dict[str, Any]) -> None:
+        """A ``limit`` run over fewer samples than the job stores: its summary goes beside ``scores.json``."""
+        atomic_write_text(self.subset_scores_path(scores["limit"]),
+                          json.dumps(scores, indent=2, sort_keys=True, default=str) + "\n")
+
+    def set_aside_scores(self, limit: int | None) -> None:
+        """Before records are appended: a ``scores.json`` written by a run with another ``limit`` would describe a
+        subset of the records once they are; it moves to its own ``scores.limit-<N>.json`` (still true of its N)."""
         scores = self.read_scores()
-        if scores is None or scores.get("limit") != limit or scores.get("n_failed"):
-            return None  # a run with failed samples is not finished: the next run retries them
-        return scores
+        if scores is not None and isinstance(scores.get("limit"), int) and scores["limit"] != limit:
+            os.replace(self.scores_path, self.subset_scores_path(scores["limit"]))
 
     def is_finished(self, planned_ids: list[str]) -> bool:
         scores = self.read_scores()
@@ -162,9 +232,18 @@ class JobDir:
         data = self.samples_path.read_bytes()
         good_end = data.rfind(b"\n") + 1
         records = []
-        for line in data[:good_end].splitlines():
+        for number, line in enumerate(data[:good_end].splitlines(), 1):
             if line.strip():
-                records.append(json.loads(line))
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or "id" not in record:
+                        raise ValueError("not a record")
+                except ValueError:  # a complete line that is not a record: not a kill's doing, never guessed at
+                    raise CorruptRecordError(
+                        f"{self.samples_path} line {number} is not a record (corrupted); run `python -m kvbench.store "
+                        f"verify --clean --results {self.path.parents[5]}` to set it aside (the next run redoes "
+                        "its sample)") from None
+                records.append(record)
         if repair and good_end < len(data):
             with open(self.samples_path, "r+b") as fh:
                 fh.truncate(good_end)

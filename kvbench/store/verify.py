@@ -19,9 +19,10 @@ Every job directory ``runs/<4 parts>/<hash12>/`` is classified:
 * ``orphaned``: no config.yaml and no records (a job that died before it started), or leftover temp files of an
   atomic write.
 
-``--clean`` removes orphaned directories and temp files and repairs torn lines; it never deletes records or
-scores (inconsistent and uncompressed jobs are reported for a human to decide). Exit code 0 when nothing is wrong,
-1 otherwise.
+``--clean`` removes orphaned directories and temp files, repairs torn lines and moves complete lines that are not
+records to ``samples.corrupt.jsonl`` (the next run redoes their samples); it never deletes records or scores
+(inconsistent and uncompressed jobs are reported for a human to decide). Exit code 0 when nothing is wrong, 1
+otherwise.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from kvbench.store import config_hash, ids_digest
+from kvbench.store import config_hash, ids_digest, open_lock_for_probe
 from kvbench.store.compression import uncompressed_reason
 
 STATES = ("finished", "running", "incomplete", "failed", "uncompressed", "inconsistent", "orphaned")
@@ -59,13 +60,14 @@ class JobReport:
     torn: bool = False
     temp_files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what could not be checked here; not a problem
+    corrupt_lines: list[int] = field(default_factory=list)  # complete samples.jsonl lines that are not records
 
 
 def _locked(path: Path) -> bool:
     lock = path / ".lock"
     if not lock.exists():
         return False
-    with open(lock, "a+") as fh:
+    with open_lock_for_probe(lock) as fh:  # verify needs no write access to probe a lock
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -94,6 +96,7 @@ def inspect(path: Path) -> JobReport:
                 ids.append(str(record["id"]))
             except (ValueError, KeyError, TypeError):
                 report.problems.append(f"samples.jsonl line {number} is not a record")
+                report.corrupt_lines.append(number)
                 continue
             records.append(record)
         duplicates = [i for i, c in Counter(ids).items() if c > 1]
@@ -261,6 +264,8 @@ def clean(report: JobReport) -> list[str]:
         shutil.rmtree(report.path)
         done.append("removed the orphaned directory")
         return done
+    if report.corrupt_lines:
+        done.append(_set_aside_corrupt_lines(report))
     if report.torn:
         samples = report.path / "samples.jsonl"
         data = samples.read_bytes()
@@ -270,6 +275,33 @@ def clean(report: JobReport) -> list[str]:
             os.fsync(fh.fileno())
         done.append("cut the torn last line")
     return done
+
+
+def _set_aside_corrupt_lines(report: JobReport) -> str:
+    """Move complete lines that are not records from samples.jsonl to samples.corrupt.jsonl (appended, never
+    deleted); the job's next run redoes their samples. The torn last line, if any, stays for the torn repair."""
+    samples = report.path / "samples.jsonl"
+    data = samples.read_bytes()
+    good_end = data.rfind(b"\n") + 1
+    lines = data[:good_end].splitlines(keepends=True)
+    bad = set(report.corrupt_lines)
+    aside = b"".join(line for n, line in enumerate(lines, 1) if n in bad)
+    with open(report.path / "samples.corrupt.jsonl", "ab") as fh:
+        fh.write(aside)
+        fh.flush()
+        os.fsync(fh.fileno())
+    kept = b"".join(line for n, line in enumerate(lines, 1) if n not in bad) + data[good_end:]
+    tmp = samples.with_name(".samples.jsonl.clean")
+    with open(tmp, "wb") as fh:  # bytes as they were: a record's text is never re-encoded
+        fh.write(kept)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, samples)
+    report.problems = [p for p in report.problems if "is not a record" not in p]
+    if report.state == "inconsistent" and not [p for p in report.problems if "temp file" not in p]:
+        report.state = "incomplete"
+    shown = ", ".join(str(n) for n in sorted(bad))
+    return f"moved line(s) {shown} (not records) to samples.corrupt.jsonl; the next run redoes their samples"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from hydra._internal.config_repository import CachingConfigRepository
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kvbench.budget import Budget
-from kvbench.errors import KVBenchError, NotAvailableError
+from kvbench.errors import DataError, KVBenchError, NotAvailableError
 
 #: What the store says about a planned job. The first three are submitted by a sweep; the rest are not.
 RUNNABLE = ("missing", "partial", "failed")
@@ -264,7 +264,10 @@ def store_state(jobdir: Any, limit: int | None) -> tuple[str, str, int]:
     """(status, detail, records written) of a job directory."""
     if jobdir.finished_scores(limit) is not None:
         return "finished", "", 0
-    done = len(jobdir.read_records()) if jobdir.samples_path.exists() else 0
+    try:
+        done = len(jobdir.read_records()) if jobdir.samples_path.exists() else 0
+    except DataError as exc:  # a corrupted record: the run refuses it until ``store verify --clean`` sets it aside
+        return "invalid", str(exc), 0
     if jobdir.lock_held():
         return "running", f"{done} samples so far", done
     failure = jobdir.read_failure()

@@ -55,7 +55,13 @@ def download_official(task: str, target: Path | None = None) -> Path:
     """Download ``data.zip`` from the hub dataset ``THUDM/LongBench`` and unpack its jsonl files into ``target``
     (default ``default_data_dir()``) once; returns ``target``. Any failure is one DataError line naming
     ``task.data_dir`` as the way out."""
+    from kvbench.hub import hub_unreachable
+
     target = target or default_data_dir()
+    unreachable = hub_unreachable()
+    if unreachable:  # at once, not after huggingface_hub's retries
+        raise DataError(f"task {task!r}: could not download {HUB_FILE} of the hub dataset {HUB_REPO} ({unreachable}); "
+                        "unzip the official data.zip somewhere and set task.data_dir=<directory with the .jsonl files>")
     try:
         import huggingface_hub
 
