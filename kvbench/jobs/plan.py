@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.budget import Budget
-from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
+from kvbench.errors import ConfigError, NotAvailableError
 
 
 @dataclass
@@ -77,8 +77,6 @@ def plan_job(cfg: DictConfig) -> Job:
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null")
     if cfg.batch_size > 1 and not method.supports_batching:
         raise ConfigError(f"method {method.name!r} is defined per sequence; use batch_size=1 (got {cfg.batch_size})")
-    if _engine_compile(cfg):
-        _check_static_step(method, budget)
     task = _follow_turns(cfg, task)
     question, turns, history = _question_protocol(cfg, task, method)
     decode = resolve_decode(cfg, method, budget, task, spec, question)
@@ -194,26 +192,6 @@ def _check_cuda_method(method: str, spec: Any) -> None:
             f"on a side CUDA stream); model {spec.name!r} would run on {device!r} ({why}); run it on a GPU machine "
             "with model.device=auto or cuda"
         )
-
-
-def _check_static_step(method: Any, budget: Budget) -> None:
-    """engine.compile=true with a method that has no static decode step (``Method.static_policy``) or leaves ragged
-    layers: refused here, before the model loads, as the session would refuse it at its first forward."""
-    if method.ragged_cache():
-        raise ConfigError("engine.compile=true runs fixed-capacity (B, H, slots, D) layers, and a ragged layer holds "
-                          "each head's kept entries flat, in different numbers; use engine.compile=false")
-    if budget.is_full:
-        return
-    try:
-        policy = method.static_policy(1 << 30)
-    except KVBenchError:
-        raise
-    except Exception:  # noqa: BLE001 - a policy that needs the model's shapes: the session decides
-        return
-    if policy is None:
-        raise ConfigError(f"engine.compile=true: method {method.name!r} has no static decode step "
-                          f"({method.static_refusal()}; see the README's engine.compile line); use "
-                          "engine.compile=false")
 
 
 def _task_fields(task: Any) -> dict[str, Any]:
