@@ -27,6 +27,7 @@ compresses the prompt; every later step is the captured one.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,8 +36,12 @@ import torch
 from kvbench.engine.compat import cache_kwargs
 from kvbench.engine.static import slot_pool
 
+log = logging.getLogger("kvbench")
+
 #: host reads of the generated tokens: every this many captured steps (the EOS / stop-string check's period)
 READ_EVERY = 16
+#: whether the last generation's decode step was captured (``captured``), and why not (``refused``)
+STATUS: dict[str, object] = {}
 #: the batch buckets a captured step runs at (then multiples of the largest)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -112,6 +117,32 @@ def mark_static(tensors: list[torch.Tensor]) -> None:
         torch._dynamo.mark_static_address(t)
 
 
+def _first_call(fn, model, cache_kw: dict, buffers: StepBuffers):
+    """The generation's first captured step, which traces and compiles the step where it is new; the function to call
+    for the others. Where this torch / transformers pair cannot trace the model's forward whole (torch 2.6 with
+    transformers 5.6 stops at the output-capturing wrapper's ``func.__code__``), the same step runs uncompiled, with
+    one warning line: the tokens are the same, the step is not captured (``STATUS`` says so)."""
+    try:
+        fn(model, cache_kw, buffers)
+        STATUS["captured"] = True
+        return fn
+    except torch._dynamo.exc.Unsupported as exc:  # raised while tracing: nothing ran, no buffer was touched
+        reason = str(exc).strip().splitlines()[0]
+        if STATUS.get("refused") != reason:
+            log.warning("engine.decode=graph: torch %s / transformers %s cannot trace the model's forward whole (%s); "
+                        "the decode step runs uncompiled (same tokens, not captured)", torch.__version__.split("+")[0],
+                        _transformers_version(), reason)
+        STATUS.update(captured=False, refused=reason)
+        decode_step(model, cache_kw, buffers)
+        return decode_step
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def read_chosen(buffers: StepBuffers, rows: int, start: int, end: int) -> list[list[int]]:
     """The ids chosen by steps ``[start, end)`` of the first ``rows`` rows: the captured loop's only host read."""
     return buffers.generated[:rows, start:end].tolist()
@@ -135,8 +166,11 @@ def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.
         kw = cache_kwargs(model, session.graph_cache())
         while done < steps:
             chunk = min(read_every, steps - done)
-            for _ in range(chunk):
-                fn(model, kw, buffers)
+            for i in range(chunk):
+                if done == 0 and i == 0:
+                    fn = _first_call(fn, model, kw, buffers)
+                else:
+                    fn(model, kw, buffers)
             session.advance(chunk)
             columns = read_chosen(buffers, rows, 0, chunk)  # every chunk starts the ring at column 0
             done += chunk
