@@ -44,10 +44,24 @@ def run_id() -> str:
     return os.environ.setdefault("KVBENCH_RUN_ID", f"{os.getpid()}-{secrets.token_hex(2)}")
 
 
+def root_config(config_name: str) -> dict:
+    """conf/<config_name>.yaml as written (its defaults list, its values; nothing composed or resolved)."""
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / f"{config_name}.yaml"), resolve=False)
+
+
+def top_level_values(config_name: str = "config") -> list[str]:
+    """The values conf/<config_name>.yaml sets besides its groups, in its order (a mapping's keys dotted:
+    engine.compile): what ``--help`` lists and what a command line may set (``kvbench.overrides``)."""
+    names = []
+    for key, value in root_config(config_name).items():
+        if key == "defaults":
+            continue
+        names += [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else [key]
+    return names
+
+
 def help_top_level_values() -> str:
     """``--help``'s list of top-level values, read from conf/config.yaml (so it cannot go stale)."""
-    from kvbench.overrides import top_level_values
-
     return ", ".join(top_level_values())
 
 

@@ -9,7 +9,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from kvbench.budget import Budget
-from kvbench.config import CONF_DIR
+from kvbench.config import CONF_DIR, top_level_values
+from kvbench.config import root_config as _root_config
 from kvbench.errors import ConfigError
 
 GROUPS = ("model", "method", "task", "launcher", "logger", "experiment")
@@ -50,21 +51,6 @@ def precheck_overrides(argv: list[str], config_name: str = "config") -> None:
 
 #: keys a command line may set besides a config's values and groups: Hydra's own, kvbench's sweep workers'
 _OTHER_ROOTS = ("hydra", "sweep_chunk")
-
-
-def _root_config(config_name: str) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / f"{config_name}.yaml"), resolve=False)
-
-
-def top_level_values(config_name: str = "config") -> list[str]:
-    """The values conf/<config_name>.yaml sets besides its groups, in its order (a mapping's keys dotted:
-    engine.compile): what ``--help`` lists and what a command line may set."""
-    names = []
-    for key, value in _root_config(config_name).items():
-        if key == "defaults":
-            continue
-        names += [f"{key}.{sub}" for sub in value] if isinstance(value, dict) else [key]
-    return names
 
 
 def _config_groups(config_name: str) -> set[str]:
