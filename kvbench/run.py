@@ -101,7 +101,7 @@ def _preflight(argv: list[str]) -> None:
 
     from kvbench.config import CONF_DIR
     from kvbench.jobs.runner import refuse_before_loading
-    from kvbench.store import JobDir, JobLockedError, check_results_writable
+    from kvbench.store import JobDir, check_results_writable
 
     # a sweep: only where its results go (its jobs are planned by the sweeper)
     overrides = [a for a in argv if a.partition("=")[0].startswith("paths.")] if sweep else argv
@@ -116,14 +116,10 @@ def _preflight(argv: list[str]) -> None:
     if cfg.plan:
         return  # the listing shows an invalid job as such
     job = plan_job(cfg)
-    refuse_before_loading(job)
     jobdir = JobDir(cfg.paths.results_dir, job.parts, job.key)
     if jobdir.finished_scores(cfg.limit) is not None:
         return  # skipped by the run, which says so
-    if jobdir.lock_held():
-        raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
-    jobdir.read_records()  # a corrupted record: one line pointing at store verify --clean
-    job.task.prepare_data()  # local data checked, or downloaded once: a missing copy is one line, before Hydra
+    refuse_before_loading(job, jobdir)  # the job runner's own refusals, here before Hydra creates anything
 
 
 def _is_sweep(argv: list[str]) -> bool:

@@ -5,8 +5,9 @@ attention at a time leaves every projection, norm and MLP, and the Python betwee
 step is one function, compiled once with ``torch.compile(fullgraph=True)`` (on CUDA ``mode="reduce-overhead"``: one
 CUDA graph replayed per token):
 
-* the step reads its token and position from, and writes the next ones into, buffers allocated once per generation
-  (``StepBuffers``), as it writes keys and values into the session's fixed-capacity cache layers
+* the step reads its token and position from, and writes the next ones into, buffers of the model's ``SlotPool``
+  (``StepBuffers``: the same addresses for every generation of the same bucket), as it writes keys and values into
+  the session's fixed-capacity cache layers
   (``engine.static.StaticKVLayer``): every tensor it mutates is allocated before the first step and marked a static
   address for the compiler, so nothing is copied into or out of the graph per step;
 * the model runs with the ``kvbench_graph`` attention implementation, for which transformers builds no mask and reads
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.engine.compat import cache_kwargs
+from kvbench.engine.compat import cache_kwargs, versions_line
 from kvbench.engine.static import slot_pool
 
 log = logging.getLogger("kvbench")
@@ -56,7 +57,7 @@ def bucket(rows: int) -> int:
 
 @dataclass
 class StepBuffers:
-    """What a captured step reads and writes besides the cache, allocated once per generation (static addresses):
+    """What a captured step reads and writes besides the cache, from the model's ``SlotPool`` (static addresses):
     ``tokens`` ``(B, 1)`` the step's input ids, ``positions`` ``(B, 1)`` their positions, ``generated`` ``(B, T)`` the
     chosen ids of the last ``T`` steps (a ring of one read's columns), ``step`` ``()`` the next column of it."""
 
@@ -129,18 +130,11 @@ def _first_call(fn, model, cache_kw: dict, buffers: StepBuffers):
     except torch._dynamo.exc.Unsupported as exc:  # raised while tracing: nothing ran, no buffer was touched
         reason = str(exc).strip().splitlines()[0]
         if STATUS.get("refused") != reason:
-            log.warning("engine.decode=graph: torch %s / transformers %s cannot trace the model's forward whole (%s); "
-                        "the decode step runs uncompiled (same tokens, not captured)", torch.__version__.split("+")[0],
-                        _transformers_version(), reason)
+            log.warning("engine.decode=graph: dynamo cannot trace the model's forward whole here (%s; %s); the decode "
+                        "step runs uncompiled (same tokens, not captured)", reason, versions_line())
         STATUS.update(captured=False, refused=reason)
         decode_step(model, cache_kw, buffers)
         return decode_step
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
 
 
 def read_chosen(buffers: StepBuffers, rows: int, start: int, end: int) -> list[list[int]]:

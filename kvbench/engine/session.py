@@ -44,7 +44,15 @@ from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versio
 from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
 from kvbench.engine.rope import rotate_keys
-from kvbench.engine.static import StaticKVLayer, StaticPolicy, StepSlots, evict_oldest, slot_pool, static_step
+from kvbench.engine.static import (
+    StaticKVLayer,
+    StaticPolicy,
+    StepSlots,
+    evict_oldest,
+    repeat_last_row,
+    slot_pool,
+    static_step,
+)
 from kvbench.errors import CompressionInactiveError, ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_rank
 
@@ -294,8 +302,8 @@ class CompressionSession:
         """The capacities' and OmniKV's selections' buffers at their first ``rows`` rows (filling the rows after
         ``pad_from`` with its last row's, as ``StaticKVLayer.pad_rows`` does)."""
         for (kind, idx), base in self._row_bases.items():
-            if pad_from is not None and rows > pad_from:
-                base[pad_from:rows].copy_(base[pad_from - 1 : pad_from].expand(rows - pad_from, *base.shape[1:]))
+            if pad_from is not None:
+                repeat_last_row(base, pad_from, rows)
             if kind == "capacity":
                 self._static[idx] = (self._static[idx][0], base[:rows])
             else:

@@ -14,9 +14,9 @@ speed). With ``engine.decode=graph`` (``engine.compile=true``) the session conve
   ``engine.graph`` (``torch.compile(fullgraph=True)``, CUDA graphs on a GPU) and replayed per token.
 
 Slots are not in position order (an evicted slot is reused): attention does not care, and positions travel with the
-entries. A method opts in with ``Method.static_policy``, whose ``StaticPolicy`` carries its step as data (the kind of
-eviction or selection, its sizes, and its own step functions where it has them: D2O's merge, OmniKV's choice), so the
-engine imports no method; one without it (merging every step, its own attention) refuses with one line.
+entries. A method opts in with ``Method.static_policy``, whose ``StaticPolicy`` carries its step: its own pure-tensor
+functions (which slots to attend, what to evict, a selection to share) and their constants, so the engine imports and
+names no method; one without it (merging every step, its own attention) refuses with one line.
 """
 
 from __future__ import annotations
@@ -122,14 +122,17 @@ class SlotPool:
     def taker(self, prefix: tuple, device: torch.device) -> Callable[[str, tuple, torch.dtype], torch.Tensor]:
         return lambda name, shape, dtype: self.take((*prefix, name), shape, dtype, device)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._held.values())
-
     def clear(self) -> None:
         self._held.clear()
 
 
 _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def repeat_last_row(base: torch.Tensor, real: int, rows: int) -> None:
+    """Rows ``real .. rows - 1`` of a batch bucket's buffer ``base`` become copies of row ``real - 1``, in place."""
+    if rows > real:
+        base[real:rows].copy_(base[real - 1 : real].expand(rows - real, *base.shape[1:]))
 
 
 def slot_pool(model) -> SlotPool:
@@ -200,7 +203,8 @@ class StaticKVLayer(KVLayer):
         per-entry and per-row state."""
         return [self.keys, self.values, self.positions, self.valid, *self.state.values(), *self.row_state.values()]
 
-    def _views(self) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], None]]]:
+    def _views(self) -> list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]:
+        """Each buffer of the bucket's rows, and how to make the layer hold a view of it."""
         def setter(name: str) -> Callable[[torch.Tensor], None]:
             if name.startswith("state."):
                 return lambda t: self.state.__setitem__(name[6:], t)
@@ -208,7 +212,7 @@ class StaticKVLayer(KVLayer):
                 return lambda t: self.row_state.__setitem__(name[10:], t)
             return lambda t: setattr(self, name, t)
 
-        return {name: (base, setter(name)) for name, base in self._bases.items()}
+        return [(base, setter(name)) for name, base in self._bases.items()]
 
     def pad_rows(self, rows: int) -> None:
         """The whole ``rows``-row buffers, the rows after the batch's repeating its last row (a captured step's batch
@@ -217,13 +221,13 @@ class StaticKVLayer(KVLayer):
         b = self.keys.shape[0]
         if rows <= b:
             return
-        for base, assign in self._views().values():
-            base[b:rows].copy_(base[b - 1 : b].expand(rows - b, *base.shape[1:]))
+        for base, assign in self._views():
+            repeat_last_row(base, b, rows)
             assign(base[:rows])
 
     def keep_rows(self, rows: int) -> None:
         """The first ``rows`` rows only (views: a bucket's extra rows leave the reported bytes)."""
-        for base, assign in self._views().values():
+        for base, assign in self._views():
             assign(base[:rows])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -234,6 +238,15 @@ class StaticKVLayer(KVLayer):
             return key_states, value_states
         if key_states.shape[-2] != 1:
             raise NotImplementedError("engine.compile decodes one token per step")
+        self.last_slot = self.write_step(key_states, value_states, self.seen)
+        self.seen += 1
+        return self.keys, self.values
+
+    def write_step(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                   positions: torch.Tensor | int) -> torch.Tensor:
+        """Key/value ``(B, Hkv, 1, D)`` at position ``positions`` (``(B, 1)``, or one int for every row) into the first
+        free slot of every (row, head); returns the slots ``(B, H, 1)``. The captured step's write, and ``update``'s
+        (whose position ``assign_positions`` then corrects from the model's ``position_ids``)."""
         if self.keys.shape[1] > key_states.shape[1]:  # a query-head-granular cache (DynamicKV's official layout)
             rep = self.keys.shape[1] // key_states.shape[1]
             key_states = key_states.repeat_interleave(rep, dim=1)
@@ -242,29 +255,13 @@ class StaticKVLayer(KVLayer):
         index = slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1])
         self.keys.scatter_(2, index, key_states)
         self.values.scatter_(2, index, value_states)
-        self.positions.scatter_(-1, slot, torch.full_like(slot, self.seen))
+        at = positions.view(-1, 1, 1).expand_as(slot) if isinstance(positions, torch.Tensor) else \
+            torch.full_like(slot, positions)
+        self.positions.scatter_(-1, slot, at)
         self.valid.scatter_(-1, slot, torch.ones_like(slot, dtype=torch.bool))
         if "acc" in self.state:
             self.state["acc"].scatter_(-1, slot, torch.zeros_like(slot, dtype=self.state["acc"].dtype))
-        self.last_slot = slot
-        self.seen += 1
-        return self.keys, self.values
-
-    def write_step(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
-        """A captured step's write: key/value ``(B, Hkv, 1, D)`` at position ``positions`` ``(B, 1)`` into the first
-        free slot of every (row, head), as ``update`` and ``assign_positions`` do on the host-driven path."""
-        if self.keys.shape[1] > key_states.shape[1]:  # a query-head-granular cache (DynamicKV's official layout)
-            rep = self.keys.shape[1] // key_states.shape[1]
-            key_states = key_states.repeat_interleave(rep, dim=1)
-            value_states = value_states.repeat_interleave(rep, dim=1)
-        slot = torch.argmax((~self.valid).to(torch.int8), dim=-1, keepdim=True)  # (B, H, 1)
-        index = slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1])
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
-        self.positions.scatter_(-1, slot, positions.view(-1, 1, 1).expand_as(slot))
-        self.valid.scatter_(-1, slot, torch.ones_like(slot, dtype=torch.bool))
-        if "acc" in self.state:
-            self.state["acc"].scatter_(-1, slot, torch.zeros_like(slot, dtype=self.state["acc"].dtype))
+        return slot
 
     def assign_positions(self, positions: torch.Tensor) -> None:
         """The step's position ``(B, 1, 1)`` (from the model's ``position_ids``) at the slot it was written to."""

@@ -222,7 +222,8 @@ def resolve_decode(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec
     mode = (cfg.get("engine") or {}).get("decode", "auto")
     if mode not in DECODE_MODES:
         raise ConfigError(f"engine.decode={mode!r} is not valid; valid: {', '.join(DECODE_MODES)}")
-    if _engine_compile(cfg):
+    compiled = _engine_compile(cfg)
+    if compiled:
         if mode == "eager":
             raise ConfigError("engine.compile=true is engine.decode=graph; it contradicts engine.decode=eager")
         mode = "graph"
@@ -231,8 +232,8 @@ def resolve_decode(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec
     why = _no_graph(cfg, method, budget, task, question)
     if mode == "graph":
         if why is not None:
-            setting = "engine.compile=true" if _engine_compile(cfg) else "engine.decode=graph"
-            instead = "engine.compile=false" if _engine_compile(cfg) else "engine.decode=eager"
+            setting, instead = ("engine.compile=true", "engine.compile=false") if compiled else \
+                ("engine.decode=graph", "engine.decode=eager")
             raise ConfigError(f"{setting}: {why}; use {instead}")
         return "graph"
     from kvbench.models import resolve_device

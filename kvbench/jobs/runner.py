@@ -36,7 +36,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
-    from kvbench.store import JobDir, JobLockedError
+    from kvbench.store import JobDir
 
     job = plan_job(cfg)
     results_dir = Path(cfg.paths.results_dir)
@@ -44,15 +44,11 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
     done_scores = _finished(cfg, job, jobdir)
     if done_scores is not None:
         return done_scores
-    refuse_before_loading(job)
-    jobdir.read_records()  # a corrupted record stops the job here, before anything loads
-    if jobdir.lock_held():  # another process runs it: say so now, not after this one has loaded the model
-        raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
+    refuse_before_loading(job, jobdir)
 
     from kvbench.engine import CompressionSession
 
     torch.manual_seed(cfg.seed)
-    job.task.prepare_data()  # a missing download fails here, before the model loads
     with jobdir, _interruptible(jobdir) as progress:
         done_scores = _finished(cfg, job, jobdir)  # another process may have finished it before this one took the lock
         if done_scores is not None:
@@ -165,12 +161,19 @@ def _interruptible(jobdir: Any):
                              "again to resume") from None
 
 
-def refuse_before_loading(job: Job) -> None:
-    """Refusals that need neither the model nor the network, made before either (``kvbench.run`` makes them before
-    Hydra too): a model family whose attention no method can reach, known from its local config or hub id."""
+def refuse_before_loading(job: Job, jobdir: Any) -> None:
+    """Refusals made before the model loads (``kvbench.run`` makes them before Hydra too, for one job): a model family
+    whose attention no method can reach (known from its local config or hub id, without the network), a corrupted
+    record (one line pointing at ``store verify --clean``), a job another process is running, missing task data (a
+    download fails here)."""
     from kvbench.models.loading import refuse_known_architecture
+    from kvbench.store import JobLockedError
 
     refuse_known_architecture(job.spec)
+    jobdir.read_records()
+    if jobdir.lock_held():  # another process runs it: say so now, not after this one has loaded the model
+        raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
+    job.task.prepare_data()
 
 
 def _obtain_model(spec: Any, loaded: Any) -> Any:
