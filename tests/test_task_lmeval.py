@@ -18,6 +18,7 @@ from kvbench.budget import Budget
 from kvbench.config import CONF_DIR, register_resolvers
 from kvbench.engine import CompressionSession
 from kvbench.errors import ConfigError, DataError, NotAvailableError
+from kvbench.jobs.answer import EngineAnswerer
 from kvbench.methods import build_method
 
 pytest.importorskip("lm_eval", reason="the lmeval extra is not installed (pip install -e .[lmeval])")
@@ -49,7 +50,11 @@ def tiny():
 
 
 def _session(loaded, method="fullkv", budget=FULL, **fields):
-    return lambda: CompressionSession(loaded.model, build_method({"name": method, **fields}, budget), budget)
+    """The job runner's answerer of ``method`` at ``budget`` on ``loaded``."""
+    def new_session():
+        return CompressionSession(loaded.model, build_method({"name": method, **fields}, budget), budget)
+
+    return EngineAnswerer(loaded, new_session, budget)
 
 
 # ---- SQuAD metrics for lm-eval's CoQA scorer -------------------------------------------------------------------------
@@ -149,7 +154,7 @@ def test_loglikelihood_equals_a_direct_computation(tiny):
     tok, model = tiny.tokenizer, tiny.model
     cases = [("The grass is green and the sky is", " blue."), ("Question: two plus two?\nAnswer:", " four"),
              ("", "Hello world")]
-    lm = KVBenchLM(tiny, _session(tiny), max_length=4096)
+    lm = KVBenchLM(_session(tiny), max_length=4096)
     ours = lm.loglikelihood([_ll_request(c, x) for c, x in cases], disable_tqdm=True)
     for (context, continuation), (logprob, greedy) in zip(cases, ours):
         if context:
@@ -163,7 +168,7 @@ def test_loglikelihood_equals_a_direct_computation(tiny):
         assert logprob == pytest.approx(float(direct.sum()), abs=1e-4)
         assert greedy == bool((logits.argmax(-1) == torch.tensor(cont)).all())
     assert [s["decode_steps"] for s in lm.request_stats] == [len(tok.encode(" blue.")) - 1, 0, 1]
-    compressed = KVBenchLM(tiny, _session(tiny, "streamingllm", Budget.parse(8)), max_length=4096)
+    compressed = KVBenchLM(_session(tiny, "streamingllm", Budget.parse(8)), max_length=4096)
     long_context = " ".join(["The grass is green."] * 8)
     full = lm.loglikelihood([_ll_request(long_context, " The sky is blue.")], disable_tqdm=True)[0][0]
     small = compressed.loglikelihood([_ll_request(long_context, " The sky is blue.")], disable_tqdm=True)[0][0]
@@ -172,7 +177,7 @@ def test_loglikelihood_equals_a_direct_computation(tiny):
 
 def test_loglikelihood_rolling_one_window_is_the_full_forward(tiny):
     text = "A short document about green grass and blue skies."
-    lm = KVBenchLM(tiny, _session(tiny), max_length=4096)
+    lm = KVBenchLM(_session(tiny), max_length=4096)
     ours = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)[0]
     ids = [tiny.tokenizer.bos_token_id, *tiny.tokenizer.encode(text)]
     with torch.no_grad():
@@ -188,7 +193,7 @@ def test_generate_until_equals_greedy_generate_cut_at_the_stop(tiny):
     with torch.no_grad():
         ref = tiny.model.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:]
     text = tok.decode(ref, skip_special_tokens=True)
-    lm = KVBenchLM(tiny, _session(tiny), max_length=4096)
+    lm = KVBenchLM(_session(tiny), max_length=4096)
     request = Instance("generate_until", {}, (context, {"until": ["zzzz"], "max_gen_toks": 10}), 0)
     assert lm.generate_until([request], disable_tqdm=True) == [text]
     stop = text[len(text) // 2 : len(text) // 2 + 3]

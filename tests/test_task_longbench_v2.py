@@ -341,3 +341,44 @@ def test_cot_job_runs_both_requests(tmp_path, tokenizer):
         assert r["answer_prompt_tokens"] == len(encode_sample(task, second, tokenizer, spec))
         assert r["score"] == judge(r["prediction"], r["meta"]["answer"])
         assert 0 < r["resident_kv_bytes"] <= 64 * 4 * 2 * 16 * 2 * 4  # the first request ran compressed
+
+
+class RecordingAnswerer:
+    """The job runner's side of ``Task.evaluate`` with canned replies: it keeps each request it is sent."""
+
+    def __init__(self, tokenizer, spec, replies):
+        self.tokenizer, self.spec, self.budget = tokenizer, spec, None
+        self.replies, self.requests = list(replies), []
+
+    def generate(self, request):
+        from kvbench.tasks.requests import AnswerStats, Generation
+
+        self.requests.append(request)
+        tokens = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
+        k = len(self.requests)  # the second request's statistics differ from the first's
+        stats = AnswerStats(prefill_seconds=0.5, decode_seconds=1.0, decode_steps=3 + k, resident_kv_bytes=640 * k,
+                            resident_kv_bytes_final=700 * k, layer_entries=[10 * k], attended_tokens_mean=12.3456 * k)
+        return Generation(tokens=[tokens] * len(request.prompts), stats=stats)
+
+
+def test_cot_sends_the_document_under_the_job_method_and_the_answer_as_a_fullkv_pass(tokenizer):
+    """The task describes its two requests and never runs the engine: the CoT request (the document) under the
+    job's method, the answer request (no document) with the full cache; the record's cache statistics are the first
+    request's, its seconds and steps both requests'."""
+    task = LongBenchV2Task(data_file=str(DATA), cot=True, cot_max_new_tokens=6, max_new_tokens=3)
+    batch = task.samples()[:2]
+    spec = ModelSpec(name="tiny-random", source="tiny-random", context_length=4096, max_input_tokens=4096)
+    answerer = RecordingAnswerer(tokenizer, spec, [" Q3 had more. ", "The correct answer is (B)"])
+    records = task.evaluate(batch, answerer)
+    first, second = answerer.requests
+    assert first.prompts == tuple(tuple(encode_sample(task, s, tokenizer, spec)) for s in batch)
+    assert (first.max_new_tokens, first.full_cache, second.max_new_tokens, second.full_cache) == (6, False, 3, True)
+    cot = tokenizer.decode(tokenizer.encode(" Q3 had more. ", add_special_tokens=False)).strip()
+    assert second.prompts == tuple(tuple(encode_sample(task, task.answer_sample(s, cot), tokenizer, spec))
+                                   for s in batch)
+    for r, sample in zip(records, batch):
+        assert r["cot"] == cot and r["prediction"] == "The correct answer is (B)"
+        assert r["score"] == judge("The correct answer is (B)", sample.meta["answer"])
+        assert (r["resident_kv_bytes"], r["resident_kv_bytes_final"], r["layer_entries"]) == (320, 350, [10])
+        assert (r["attended_tokens_mean"], r["decode_steps"], r["prefill_seconds"]) == (12.35, 4 + 5, 0.5)
+    assert LongBenchV2Task(data_file=str(DATA)).evaluate(batch, answerer) is None  # without CoT the runner generates

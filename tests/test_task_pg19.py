@@ -15,6 +15,7 @@ from kvbench.budget import Budget
 from kvbench.config import CONF_DIR
 from kvbench.engine import CompressionSession, teacher_forced_logprobs
 from kvbench.errors import ConfigError, DataError
+from kvbench.jobs.answer import EngineAnswerer
 from kvbench.methods import build_method
 from kvbench.tasks.pg19 import PG19Task, curve_grid
 from kvbench.tasks.pg19 import data as pg19_data
@@ -197,7 +198,7 @@ def test_task_evaluate_with_fullkv_equals_one_full_forward_of_the_documents_toke
     ids = loaded.tokenizer(pg19_data.essays("pg19")[0].text).input_ids[:64]
     assert task._ids[sample.id] == ids
     new_session = lambda: CompressionSession(loaded.model, build_method({"name": "fullkv"}, FULL), FULL)  # noqa: E731
-    record = task.evaluate([sample], loaded, new_session)[0]
+    record = task.evaluate([sample], EngineAnswerer(loaded, new_session, FULL))[0]
     with torch.no_grad():
         direct = -_full_forward_logprobs(loaded.model, ids).double()
     assert record["n_predicted"] == 63 and record["prompt_tokens"] == 1 and record["decode_steps"] == 62

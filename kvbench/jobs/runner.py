@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.errors import DataError, KVBenchError
+from kvbench.jobs.answer import EngineAnswerer
 from kvbench.jobs.plan import Job, plan_job, staged
 from kvbench.jobs.records import job_meta, job_meta_end, job_scores, resolved_config
 
@@ -81,13 +82,14 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
                                       sliding_layers=cfg.get("sliding_layers", "auto"),
                                       compile=job.decode == "graph")
 
+        answerer = EngineAnswerer(loaded, new_session, job.budget)  # answers the requests of tasks with own loops
         strict = bool(cfg.get("strict", False))
         jobdir.clear_errors()
         try:
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start : start + cfg.batch_size]
                 try:
-                    done_records = _run_batch(job, batch, loaded, new_session)
+                    done_records = _run_batch(job, batch, loaded, new_session, answerer)
                 except (KVBenchError, torch.OutOfMemoryError):
                     raise  # the user's input or the machine: the whole job stops (a sweep records it)
                 except Exception as exc:
@@ -98,7 +100,7 @@ def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
                         try:
                             if len(batch) == 1:
                                 raise exc
-                            done_records += _run_batch(job, [sample], loaded, new_session)
+                            done_records += _run_batch(job, [sample], loaded, new_session, answerer)
                         except (KVBenchError, torch.OutOfMemoryError):
                             raise
                         except Exception as row_exc:
@@ -189,12 +191,13 @@ def _obtain_model(spec: Any, loaded: Any) -> Any:
     return loaded
 
 
-def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any) -> list[dict[str, Any]]:
-    """Records of one batch: the task's own evaluation, or generation then scoring."""
+def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any, answerer: Any) -> list[dict[str, Any]]:
+    """Records of one batch: the task's own evaluation (its requests answered by ``answerer``), or generation then
+    scoring."""
     from kvbench.engine import greedy_generate
     from kvbench.tasks.encoding import decode_prediction, encode_sample
 
-    custom = job.task.evaluate(batch, loaded, new_session)  # perplexity / loglikelihood tasks
+    custom = job.task.evaluate(batch, answerer)  # perplexity / loglikelihood tasks, LongBench v2's CoT
     if custom is not None:
         return [{**_RECORD_DEFAULTS, "batch_size": len(batch), **record} for record in custom]
     if staged(job.cfg):

@@ -11,7 +11,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from kvbench.tasks.requests import Answerer
 
 
 @dataclass
@@ -107,15 +110,16 @@ class Task(ABC):
     def prepare_data(self) -> None:
         """Make the data available (download, unpack) before any model loads; fails with DataError."""
 
-    def evaluate(self, batch: list[Sample], loaded: Any, new_session: Any) -> list[dict[str, Any]] | None:
+    def evaluate(self, batch: list[Sample], answerer: Answerer) -> list[dict[str, Any]] | None:
         """Evaluate ``batch`` with the task's own loop instead of generation, or None (default) to generate.
 
-        Tasks that are not generate-then-score (PG-19's streaming perplexity, lm-eval's loglikelihood requests)
-        return one record per sample: ``id``, ``score``, ``meta`` and any of the runner's statistics
-        (``prompt_tokens``, ``new_tokens``, ``prefill_seconds``, ``decode_seconds``, ``decode_steps``,
-        ``resident_kv_bytes``, ``resident_kv_bytes_final``, ``layer_entries``, ``attended_tokens_mean``; missing
-        ones are 0). ``loaded`` is the ``kvbench.models.LoadedModel``; ``new_session()`` returns a fresh
-        ``CompressionSession`` for the job's method and budget (a context manager around each forward pass).
+        Tasks that are not generate-then-score (PG-19's streaming perplexity, lm-eval's loglikelihood requests,
+        LongBench v2's two CoT requests) describe what they need as requests (``kvbench.tasks.requests``) and send
+        them to ``answerer``, which the job runner answers with the engine under the job's method and budget; they
+        never build a session or call the engine. They return one record per sample: ``id``, ``score``, ``meta``
+        and any of the runner's statistics (``prompt_tokens``, ``new_tokens``, ``prefill_seconds``,
+        ``decode_seconds``, ``decode_steps``, ``resident_kv_bytes``, ``resident_kv_bytes_final``, ``layer_entries``,
+        ``attended_tokens_mean``, which each answer's ``stats`` carry; missing ones are 0).
         """
         return None
 

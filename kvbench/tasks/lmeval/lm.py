@@ -1,22 +1,23 @@
 """kvbench's compressed model behind lm-evaluation-harness's model interface (``lm_eval.api.model.TemplateLM``).
 
-Every request runs in its own ``CompressionSession`` with a fresh cache, batch size 1, greedy:
+Every request is sent to the job's ``Answerer`` (``kvbench.tasks.requests``), which runs it in its own session of the
+job's method and budget with a fresh cache, batch size 1, greedy:
 
 * ``loglikelihood`` (``TemplateLM.loglikelihood`` tokenizes as HFLM does: trailing context spaces move to the
   continuation, ``whole = enc(context + continuation)``, ``continuation = whole[len(enc(context)):]``; an empty
   context becomes ``[prefix_token_id]``): the context is the prefill (compressed at its end, as a prompt), then the
   continuation is fed one token per forward, each token's log-probability read before that step's eviction
-  (``kvbench.engine.teacher_forcing``). HFLM's truncation ``(context + continuation)[-(max_length + 1):]`` is kept.
+  (a ``TeacherForced`` request). HFLM's truncation ``(context + continuation)[-(max_length + 1):]`` is kept.
   Returns ``(sum of log-probabilities, every token the argmax)``, as HFLM.
 * ``loglikelihood_rolling``: lm-eval's own disjoint rolling windows (``get_rolling_token_windows`` with the
   ``prefix_token_id``, ``max_length``, context 1), each scored as a loglikelihood request, summed.
 * ``generate_until``: HFLM's protocol: ``normalize_gen_kwargs`` (max_gen_toks default 256), the EOS string added to
   ``until``, the context left-truncated to ``max_length - max_gen_toks``, greedy decoding with the cache
-  (``greedy_generate``) that stops at EOS or once a stop string appears in the decoded tail (as HFLM's stopping
-  criteria), and lm-eval's
-  ``postprocess_generated_text`` (cut at the first stop string). Sampling is refused: kvbench decodes greedily.
+  (a ``GenerateUntil`` request) that stops at EOS or once a stop string appears in the decoded tail (as HFLM's
+  stopping criteria), and lm-eval's ``postprocess_generated_text`` (cut at the first stop string). Sampling is
+  refused: kvbench decodes greedily.
 
-Without a session the wrapper is plain HF inference, equal to HFLM with batch size 1 up to float arithmetic.
+With FullKV the wrapper is plain HF inference, equal to HFLM with batch size 1 up to float arithmetic.
 Per request it appends timings and cache statistics to ``self.request_stats``.
 """
 
@@ -29,6 +30,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from kvbench.errors import ConfigError
+from kvbench.tasks.requests import Answerer, AnswerStats, GenerateUntil, TeacherForced
 
 
 def chat_template_fn(tokenizer: Any):
@@ -43,14 +45,13 @@ def chat_template_fn(tokenizer: Any):
 
 
 class KVBenchLM(TemplateLM):
-    """``loaded``: a ``kvbench.models.LoadedModel``; ``new_session``: returns a fresh ``CompressionSession`` (or a
-    null context for plain inference); ``max_length``: HFLM's ``max_length`` (context + generation)."""
+    """``answerer``: the job's ``kvbench.tasks.requests.Answerer`` (the job runner's, which answers each request with
+    the engine under the job's method and budget); ``max_length``: HFLM's ``max_length`` (context + generation)."""
 
-    def __init__(self, loaded: Any, new_session: Any, max_length: int, max_gen_toks: int = 256):
+    def __init__(self, answerer: Answerer, max_length: int, max_gen_toks: int = 256):
         super().__init__()
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
-        self.new_session = new_session
+        self.answerer = answerer
+        self.tokenizer = answerer.tokenizer
         self._max_length = max_length
         self._max_gen_toks = max_gen_toks
         self.request_stats: list[dict[str, Any]] = []
@@ -89,8 +90,6 @@ class KVBenchLM(TemplateLM):
 
     # ---- requests ----
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        from kvbench.engine.teacher_forcing import teacher_forced_logprobs
-
         results = []
         for _, context_enc, continuation_enc in requests:
             if not context_enc or not continuation_enc or len(continuation_enc) > self.max_length:
@@ -99,10 +98,8 @@ class KVBenchLM(TemplateLM):
                                  f"{len(continuation_enc)})")
             ids = (context_enc + continuation_enc)[-(self.max_length + 1):]
             prefill = len(ids) - len(continuation_enc)
-            with self.new_session() as session:
-                out = teacher_forced_logprobs(self.loaded.model, ids, prefill, score_from=prefill)
-            self._record(session, prefill, 0, out.prefill_seconds, out.decode_seconds, out.decode_steps,
-                         out.resident_kv_bytes_final)
+            out = self.answerer.loglikelihood(TeacherForced(tuple(ids), prefill, score_from=prefill))
+            self._record(out.stats, prefill, 0)
             results.append((float(out.logprobs.double().sum()), bool(out.greedy.all())))
         return results
 
@@ -120,8 +117,6 @@ class KVBenchLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from kvbench.engine.generate import greedy_generate
-
         eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
         outputs = []
         for context, gen_kwargs in [req.args for req in requests]:
@@ -135,16 +130,8 @@ class KVBenchLM(TemplateLM):
             context_enc = self._encode_context(context)[-(self.max_length - max_gen_toks):]
 
             tail = max((len(stop) for stop in until), default=0) + 8  # tokens that can hold a new stop string
-
-            def should_stop(row: int, tokens: list[int], until=until, tail=tail) -> bool:
-                text = self.tokenizer.decode(tokens[-tail:])
-                return any(stop and stop in text for stop in until)
-
-            with self.new_session() as session:
-                out = greedy_generate(self.loaded.model, [context_enc], max_gen_toks, self.loaded.eos_token_ids,
-                                      self.tokenizer.pad_token_id, should_stop)
-            self._record(session, len(context_enc), len(out.tokens[0]), out.prefill_seconds, out.decode_seconds,
-                         out.decode_steps, out.resident_kv_bytes_final)
+            out = self.answerer.generate(GenerateUntil((tuple(context_enc),), max_gen_toks, tuple(until), tail))
+            self._record(out.stats, len(context_enc), len(out.tokens[0]))
             text = self.tokenizer.decode(out.tokens[0], skip_special_tokens=True)
             outputs.append(postprocess_generated_text(generation=text, stop=until, think_end_token=None))
         return outputs
@@ -156,19 +143,17 @@ class KVBenchLM(TemplateLM):
         special = {"add_special_tokens": False} if bos and context.startswith(bos) else {}
         return self.tokenizer(context, **special).input_ids
 
-    def _record(self, session: Any, prompt_tokens: int, new_tokens: int, prefill_s: float, decode_s: float,
-                steps: int, final_bytes: int) -> None:
-        stats = getattr(session, "stats", None)
+    def _record(self, stats: AnswerStats, prompt_tokens: int, new_tokens: int) -> None:
         self.request_stats.append({
             "prompt_tokens": prompt_tokens,
             "new_tokens": new_tokens,
-            "prefill_seconds": prefill_s,
-            "decode_seconds": decode_s,
-            "decode_steps": steps,
-            "resident_kv_bytes": stats.resident_kv_bytes_after_prefill if stats else 0,
-            "resident_kv_bytes_final": final_bytes,
-            "layer_entries": stats.layer_entries_after_prefill if stats else [],
-            "attended_tokens_mean": round(stats.attended_tokens_mean, 2) if stats else 0.0,
+            "prefill_seconds": stats.prefill_seconds,
+            "decode_seconds": stats.decode_seconds,
+            "decode_steps": stats.decode_steps,
+            "resident_kv_bytes": stats.resident_kv_bytes,
+            "resident_kv_bytes_final": stats.resident_kv_bytes_final,
+            "layer_entries": stats.layer_entries,
+            "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
         })
 
 

@@ -169,12 +169,11 @@ class LMEvalTask(Task):
         return out
 
     # ---- running and scoring ----
-    def evaluate(self, batch: list[Sample], loaded: Any, new_session: Any) -> list[dict[str, Any]]:
+    def evaluate(self, batch: list[Sample], answerer: Any) -> list[dict[str, Any]]:
         from kvbench.tasks.lmeval.lm import KVBenchLM
 
-        if self._lm is None or self._lm.loaded is not loaded:
-            self._lm = KVBenchLM(loaded, new_session, self.max_length or loaded.spec.context_length,
-                                 self.max_gen_toks)
+        if self._lm is None or self._lm.answerer is not answerer:
+            self._lm = KVBenchLM(answerer, self.max_length or answerer.spec.context_length, self.max_gen_toks)
         return [self._evaluate_doc(sample) for sample in batch]
 
     def _evaluate_doc(self, sample: Sample) -> dict[str, Any]:

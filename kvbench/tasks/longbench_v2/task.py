@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from kvbench.tasks import check_bool, check_common, check_int, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
+from kvbench.tasks.encoding import decode_prediction, encode_sample
 from kvbench.tasks.longbench_v2.data import load_hub, read_file
 from kvbench.tasks.longbench_v2.protocol import (
     COT_MAX_NEW_TOKENS,
@@ -31,6 +32,7 @@ from kvbench.tasks.longbench_v2.protocol import (
     truncate_ids,
 )
 from kvbench.tasks.longbench_v2.scoring import extract_answer, judge, summarize
+from kvbench.tasks.requests import Answerer, GenerateUntil
 
 
 @dataclass
@@ -124,28 +126,22 @@ class LongBenchV2Task(Task):
         return tokenizer.decode(truncate_ids(ids, max_tokens), skip_special_tokens=True)
 
     # ---- the CoT's two requests ----
-    def evaluate(self, batch: list[Sample], loaded: Any, new_session: Any) -> list[dict[str, Any]] | None:
+    def evaluate(self, batch: list[Sample], answerer: Answerer) -> list[dict[str, Any]] | None:
         """None without CoT (the runner generates and scores). With CoT: the first request (the document, under the
-        job's method and budget), then the answer request (no document: it runs with the full cache, see
+        job's method and budget), then the answer request (no document: a FullKV pass with the full cache, see
         README.md), one record per sample holding both."""
         if not self.cot:
             return None
-        from kvbench.engine import greedy_generate
-        from kvbench.tasks.encoding import decode_prediction, encode_sample
-
-        tokenizer = loaded.tokenizer
-        prompts = [encode_sample(self, s, tokenizer, loaded.spec) for s in batch]
-        stop = self._stopper(tokenizer)
-        with new_session() as session:
-            first = greedy_generate(loaded.model, prompts, self.cot_max_new_tokens, loaded.eos_token_ids,
-                                    tokenizer.pad_token_id, stop)
-        stats = session.stats
+        tokenizer = answerer.tokenizer
+        stops = tuple(self.stop_strings)
+        prompts = [encode_sample(self, s, tokenizer, answerer.spec) for s in batch]
+        first = answerer.generate(GenerateUntil(tuple(map(tuple, prompts)), self.cot_max_new_tokens, stops))
+        stats = first.stats
         cots = [decode_prediction(self, first.tokens[row], tokenizer, s).strip() for row, s in enumerate(batch)]
         answers = [self.answer_sample(s, cot) for s, cot in zip(batch, cots)]
-        prompts2 = [encode_sample(self, s, tokenizer, loaded.spec) for s in answers]
-        with self._full_session(loaded):
-            second = greedy_generate(loaded.model, prompts2, self.max_new_tokens, loaded.eos_token_ids,
-                                     tokenizer.pad_token_id, stop)
+        prompts2 = [encode_sample(self, s, tokenizer, answerer.spec) for s in answers]
+        second = answerer.generate(GenerateUntil(tuple(map(tuple, prompts2)), self.max_new_tokens, stops,
+                                                 full_cache=True))
         n = len(batch)
         records = []
         for row, sample in enumerate(batch):
@@ -164,30 +160,16 @@ class LongBenchV2Task(Task):
                 "new_tokens": len(first.tokens[row]) + len(second.tokens[row]),
                 "cot_new_tokens": len(first.tokens[row]),
                 "answer_new_tokens": len(second.tokens[row]),
-                "prefill_seconds": (first.prefill_seconds + second.prefill_seconds) / n,
-                "decode_seconds": (first.decode_seconds + second.decode_seconds) / n,
-                "decode_steps": first.decode_steps + second.decode_steps,
+                "prefill_seconds": (stats.prefill_seconds + second.stats.prefill_seconds) / n,
+                "decode_seconds": (stats.decode_seconds + second.stats.decode_seconds) / n,
+                "decode_steps": stats.decode_steps + second.stats.decode_steps,
                 "batch_size": n,
-                "resident_kv_bytes": stats.resident_kv_bytes_after_prefill // n,
-                "resident_kv_bytes_final": first.resident_kv_bytes_final // n,
-                "layer_entries": stats.layer_entries_after_prefill,
+                "resident_kv_bytes": stats.resident_kv_bytes // n,
+                "resident_kv_bytes_final": stats.resident_kv_bytes_final // n,
+                "layer_entries": stats.layer_entries,
                 "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
             })
         return records
-
-    def _stopper(self, tokenizer: Any):
-        if not self.stop_strings:
-            return None
-        stops = list(self.stop_strings)
-        return lambda row, tokens: any(s in tokenizer.decode(tokens[-8:]) for s in stops)
-
-    @staticmethod
-    def _full_session(loaded: Any):
-        from kvbench.budget import Budget
-        from kvbench.engine import CompressionSession
-        from kvbench.methods import METHODS
-
-        return CompressionSession(loaded.model, METHODS.build("fullkv", {}), Budget.parse("full"))
 
     # ---- scores ----
     def score(self, prediction: str, sample: Sample) -> float:

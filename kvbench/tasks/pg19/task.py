@@ -2,12 +2,13 @@
 
 Per book: ``ids = tokenizer(text).input_ids[:max_tokens]`` (N tokens); a prefill of the first P tokens, then one token
 per forward with the cache; ``nll_j = -log p(ids[j] | cache)`` for every j in 1..N-1, each computed from the logits
-of the forward that fed ``ids[j-1]``, **before** that forward's eviction (``kvbench.engine.teacher_forcing``: every
-layer appends the token, attends, and only then lets the method evict). D2O Sec. 5.5: "we set the capacity of the KV
-cache to 2048. Figure 6 depicts the cumulative average negative log-likelihood (NLL) as a function of context
-length", i.e. ``cum_nll(k) = mean(nll_1..nll_k)``, stored per book at ``curve_points`` positions; the aggregate is
-``perplexity = exp(sum of all NLLs / number of predicted tokens)`` over all books (eval_long_ppl.py:
-``exp(mean(nlls))``) plus the mean curve. reference/benchmarks.md section 5; README.md in this folder.
+of the forward that fed ``ids[j-1]``, **before** that forward's eviction (a ``TeacherForced`` request, which the job
+runner answers with the engine's teacher forcing: every layer appends the token, attends, and only then lets the
+method evict). D2O Sec. 5.5: "we set the capacity of the KV cache to 2048. Figure 6 depicts the cumulative average
+negative log-likelihood (NLL) as a function of context length", i.e. ``cum_nll(k) = mean(nll_1..nll_k)``, stored
+per book at ``curve_points`` positions; the aggregate is ``perplexity = exp(sum of all NLLs / number of predicted
+tokens)`` over all books (eval_long_ppl.py: ``exp(mean(nlls))``) plus the mean curve.
+reference/benchmarks.md section 5; README.md in this folder.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvbench.errors import ConfigError
 from kvbench.tasks import check_int, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.pg19 import data
+from kvbench.tasks.requests import Answerer, TeacherForced
 
 SOURCES = ("pg19", "essays")
 SPLITS = ("test", "validation", "train")
@@ -128,19 +130,16 @@ class PG19Task(Task):
                               "task.prefill_tokens (the prompt) or use a token budget")
         return max(1, min(prefill, n_tokens - 1))
 
-    def evaluate(self, batch: list[Sample], loaded: Any, new_session: Any) -> list[dict[str, Any]]:
-        from kvbench.engine.teacher_forcing import teacher_forced_logprobs
-
+    def evaluate(self, batch: list[Sample], answerer: Answerer) -> list[dict[str, Any]]:
         records = []
         for sample in batch:  # one document at a time: a stream has batch size 1
             ids = self._ids[sample.id]
             if len(ids) < 2:
                 raise ConfigError(f"task 'pg19': {sample.id} has {len(ids)} token(s); nothing to predict")
-            with new_session() as session:
-                prefill = self.prefill_for(session.budget, len(ids))
-                out = teacher_forced_logprobs(loaded.model, ids, prefill, score_from=1)
+            prefill = self.prefill_for(answerer.budget, len(ids))
+            out = answerer.loglikelihood(TeacherForced(tuple(ids), prefill, score_from=1))
             nll = -out.logprobs.double()
-            stats = session.stats
+            stats = out.stats
             records.append({
                 "id": sample.id,
                 "score": math.exp(float(nll.mean())),
@@ -150,13 +149,13 @@ class PG19Task(Task):
                 "curve": self._sample_curve(nll),
                 "batch_size": 1,  # each document streams alone, whatever the runner's batch_size
                 "prompt_tokens": prefill,
-                "new_tokens": out.decode_steps,
-                "prefill_seconds": out.prefill_seconds,
-                "decode_seconds": out.decode_seconds,
-                "decode_steps": out.decode_steps,
-                "resident_kv_bytes": stats.resident_kv_bytes_after_prefill,
-                "resident_kv_bytes_final": out.resident_kv_bytes_final,
-                "layer_entries": stats.layer_entries_after_prefill,
+                "new_tokens": stats.decode_steps,
+                "prefill_seconds": stats.prefill_seconds,
+                "decode_seconds": stats.decode_seconds,
+                "decode_steps": stats.decode_steps,
+                "resident_kv_bytes": stats.resident_kv_bytes,
+                "resident_kv_bytes_final": stats.resident_kv_bytes_final,
+                "layer_entries": stats.layer_entries,
                 "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
             })
         return records
