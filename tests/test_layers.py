@@ -1,5 +1,7 @@
-"""Data flows one way: the import graph of kvbench/ (read with ast, nothing executed) has no cycle and none of the
-arrows that run against the layers: CLI -> jobs/sweep -> (methods, tasks) -> engine/models -> store/metrics/budget.
+"""Data flows one way: the import graph of kvbench/ (read with ast, nothing executed) has no cycle and no arrow that
+runs against the layer order of ``kvbench/layers.py`` (every top-level module placed, top to bottom: command lines,
+drivers, one job, methods, engine, tasks, report, store, models and scorers, services, foundations, base), except the
+ones its ``EXCEPTIONS`` list with their reasons; a few finer rules inside the layers follow (``FORBIDDEN``).
 
 Every import counts, also those inside functions and under ``TYPE_CHECKING``: a type the method contract names from
 the engine's session is still a dependency of the contract on the session. ``from package import module`` is an edge
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
+
+from kvbench.layers import EXCEPTIONS, LAYERS, layer_of
 
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "kvbench"
@@ -93,6 +98,80 @@ def test_the_import_graph_has_no_cycle():
 
 def _under(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
+
+
+def _top(module: str) -> str:
+    """The top-level module or package of kvbench that ``module`` belongs to (``kvbench`` for the package itself)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _against_the_order(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Arrows from one top-level module to another of a higher layer or of its own layer (a sibling)."""
+    layer = layer_of()
+    return sorted((src, dst) for src, dsts in graph.items() for dst in dsts
+                  if _top(src) != _top(dst) and layer[_top(dst)] <= layer[_top(src)])
+
+
+def _excepted(src: str, dst: str) -> bool:
+    return any(_under(src, importer) and _under(dst, imported) for importer, imported, _ in EXCEPTIONS)
+
+
+def test_every_top_level_module_has_a_layer():
+    """A new module or package directly under kvbench/ fails here until kvbench/layers.py places it (and a placed
+    name that no longer exists fails too)."""
+    placed = [name for _, names, _ in LAYERS for name in names]
+    assert len(placed) == len(set(placed)), "a module is placed twice"
+    assert {_top(m) for m in _modules()} == set(layer_of())
+
+
+def test_no_arrow_runs_against_the_layer_order():
+    bad = [f"{src} -> {dst}" for src, dst in _against_the_order(_graph()) if not _excepted(src, dst)]
+    assert not bad, f"imports against kvbench/layers.py's order (move the code or list the arrow, with why): {bad}"
+
+
+def test_every_exception_is_an_arrow_the_order_forbids_and_is_still_used():
+    against = _against_the_order(_graph())
+    for importer, imported, why in EXCEPTIONS:
+        assert why.strip(), (importer, imported)
+        assert any(_under(src, importer) and _under(dst, imported) for src, dst in against), (
+            f"{importer} -> {imported} is not an import against the order any more: remove the exception")
+
+
+def test_the_order_forbids_what_it_must():
+    """The derived rule on made-up graphs: a task importing the engine or a method, the store building a task, a
+    sibling importing a sibling, a lower layer importing the command line fail; downward arrows pass."""
+    cases = {
+        ("kvbench.tasks.pg19.task", "kvbench.engine.teacher_forcing"): True,
+        ("kvbench.tasks.lmeval.lm", "kvbench.engine"): True,
+        ("kvbench.tasks.longbench_v2.task", "kvbench.methods"): True,
+        ("kvbench.tasks.base", "kvbench.jobs.answer"): True,
+        ("kvbench.store.scores", "kvbench.tasks"): True,
+        ("kvbench.jobs.plan", "kvbench.overrides"): True,  # siblings
+        ("kvbench.methods.snapkv", "kvbench.run"): True,
+        ("kvbench.jobs.answer", "kvbench.engine"): False,
+        ("kvbench.methods.snapkv", "kvbench.engine.cache"): False,
+        ("kvbench.tasks.encoding", "kvbench.models.spec"): False,
+    }
+    for (src, dst), forbidden in cases.items():
+        flagged = [a for a in _against_the_order({src: {dst}}) if not _excepted(*a)]
+        assert bool(flagged) is forbidden, (src, dst)
+
+
+def test_the_readme_layout_names_every_layer():
+    """The README's layout (``one layer per line``, in README.md or the docs page it moved to) names every module
+    kvbench/layers.py places, as ``name.py`` or ``name/``."""
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = []
+    for path in texts:
+        text = path.read_text(encoding="utf-8")
+        at = text.find("one layer per line")
+        if at >= 0:
+            blocks.append(text[at : text.find("\n\n", text.find("\n\n", at) + 2)])
+    assert blocks, "no layout ('one layer per line') in README.md or docs/*.md"
+    block = "\n".join(blocks)
+    missing = [name for _, names, _ in LAYERS for name in names
+               if not re.search(rf"(?<![\w.]){re.escape(name)}(\.py|/)", block)]
+    assert not missing, f"the README's layout does not name: {missing}"
 
 
 FORBIDDEN = [
