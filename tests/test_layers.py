@@ -159,19 +159,27 @@ def test_the_order_forbids_what_it_must():
 
 def test_the_readme_layout_names_every_layer():
     """The README's layout (``one layer per line``, in README.md or the docs page it moved to) names every module
-    kvbench/layers.py places, as ``name.py`` or ``name/``."""
+    kvbench/layers.py places, as ``name.py`` or ``name/``, top layer first."""
     texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     blocks = []
     for path in texts:
         text = path.read_text(encoding="utf-8")
         at = text.find("one layer per line")
         if at >= 0:
-            blocks.append(text[at : text.find("\n\n", text.find("\n\n", at) + 2)])
+            start = text.find("\n\n", at) + 2  # the indented list after the paragraph
+            blocks.append(text[start : text.find("\n\n", start)])
     assert blocks, "no layout ('one layer per line') in README.md or docs/*.md"
     block = "\n".join(blocks)
-    missing = [name for _, names, _ in LAYERS for name in names
-               if not re.search(rf"(?<![\w.]){re.escape(name)}(\.py|/)", block)]
+    first = {}
+    for index, (_, names, _) in enumerate(LAYERS):
+        for name in names:
+            match = re.search(rf"(?<![\w.]){re.escape(name)}(\.py|/)", block)
+            first[name] = (match.start() if match else None, index)
+    missing = [name for name, (at, _) in first.items() if at is None]
     assert not missing, f"the README's layout does not name: {missing}"
+    order = [name for name, _ in sorted(first.items(), key=lambda item: item[1][0])]
+    layers = [first[name][1] for name in order]
+    assert layers == sorted(layers), f"the README's layout names them out of kvbench/layers.py's order: {order}"
 
 
 FORBIDDEN = [
