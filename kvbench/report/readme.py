@@ -151,8 +151,7 @@ def task_configs(root: Path) -> dict[str, str]:
     ``KVBENCH_TASK_PATH``, the package's own ``conf/task/``."""
     from kvbench.tasks import spec
 
-    folders = [root / "conf" / "task"] + [s.folder / "conf" / "task" for s in spec.declarations()
-                                          if s.folder is not None and s.folder.parent != spec.TASKS_DIR]
+    folders = [root / "conf" / "task"] + [conf / "task" for conf in spec.external_config_dirs()]
 
     def name_of(folder: Path, stem: str, seen: tuple[str, ...] = ()) -> str:
         conf = yaml.safe_load((folder / f"{stem}.yaml").read_text(encoding="utf-8")) or {}

@@ -176,10 +176,17 @@ def declaring(task: str) -> TaskSpec:
     raise KeyError(task)
 
 
+def external_config_dirs() -> list[Path]:
+    """The ``conf/`` folders of the task packages found through ``KVBENCH_TASK_PATH`` (each holds ``task/<name>.yaml``;
+    give Hydra the folder with ``hydra.searchpath=[file://<folder>]``)."""
+    return [s.folder / "conf" for s in declarations()
+            if s.folder is not None and s.folder.parent != TASKS_DIR and (s.folder / "conf").is_dir()]
+
+
 def readme_rows() -> list[tuple[TaskSpec, ReadmeRow]]:
     """The README task table's rows, each with its declaration, in declaration order."""
     return [(spec, row) for spec in declarations() for row in spec.readme]
 
 
 __all__ = ["PATH_VARIABLE", "SPEC_FILE", "ReadmeRow", "Rescorer", "TaskEntry", "TaskSpec", "declarations",
-           "declaring", "readme_rows", "rescorers", "search_path", "task_classes"]
+           "declaring", "external_config_dirs", "readme_rows", "rescorers", "search_path", "task_classes"]
