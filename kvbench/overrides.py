@@ -18,7 +18,14 @@ FIELD_GROUPS = ("model", "method", "task")  # groups whose fields a dotted overr
 
 
 def _group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    """A group's configs: ``conf/<group>/``, for tasks also those of the task packages in ``KVBENCH_TASK_PATH``
+    (which Hydra finds through ``hydra.searchpath``)."""
+    folders = [CONF_DIR / group]
+    if group == "task":
+        from kvbench.tasks.spec import external_config_dirs
+
+        folders += [conf / group for conf in external_config_dirs()]
+    return sorted({p.stem for folder in folders for p in folder.glob("*.yaml")})
 
 
 def precheck_overrides(argv: list[str], config_name: str = "config") -> None:

@@ -21,10 +21,11 @@ task with ``--dataset``), and LongBench v2's ``results/<model>.jsonl`` of ``pred
 ``difficulty``, ``length``; ``--benchmark longbench_v2``, ``--compensated`` for result.py's switch).
 
 Each benchmark package provides ``kvbench/tasks/<bench>/scoring.py`` with ``score_records(records) -> {"datasets":
-{name: score}, ...aggregates}``, loaded lazily; a benchmark whose module has not landed exits 2 with one line. Any
-bad input (missing or unreadable file, bytes that are not UTF-8, a line that is not JSON, a missing field, an unknown
-dataset or benchmark) is one line on stderr and exit code 2. The scores are printed as a table; ``--out FILE`` also
-writes them as JSON (``-``: JSON on stdout instead of the table).
+{name: score}, ...aggregates}``, loaded lazily and named by the task's declaration (its ``task_spec.py``'s
+``Rescorer``: ``--benchmark`` takes every declared one, also from ``KVBENCH_TASK_PATH``); a benchmark whose module has
+not landed exits 2 with one line. Any bad input (missing or unreadable file, bytes that are not UTF-8, a line that is
+not JSON, a missing field, an unknown dataset or benchmark) is one line on stderr and exit code 2. The scores are
+printed as a table; ``--out FILE`` also writes them as JSON (``-``: JSON on stdout instead of the table).
 """
 
 from __future__ import annotations
@@ -40,27 +41,41 @@ from typing import Any, NoReturn
 from kvbench.errors import DataError, KVBenchError
 from kvbench.tasks.records import json_lines, utf8_lines
 
-BENCHMARKS: dict[str, str] = {
-    "longbench": "kvbench.tasks.longbench.scoring:score_records",
-    "longbench_e": "kvbench.tasks.longbench.scoring:score_records_e",
-    "infinitebench": "kvbench.tasks.infinitebench.scoring:score_records",
-    "ruler": "kvbench.tasks.ruler.scoring:score_records",
-    "leval": "kvbench.tasks.leval.scoring:score_records",
-    "zeroscrolls": "kvbench.tasks.zeroscrolls.scoring:score_records",
-    "longbench_v2": "kvbench.tasks.longbench_v2.scoring:score_records",
-    "needle": "kvbench.tasks.rescoring:needle",
-    "needle_retrieval_head": "kvbench.tasks.rescoring:needle_retrieval_head",
-    "needle_kvpress": "kvbench.tasks.rescoring:needle_kvpress",
-    "passkey": "kvbench.tasks.rescoring:passkey",
-    "2stageretr": "kvbench.tasks.rescoring:twostage_retr",
-}
-SINGLE_TASK = ("needle", "needle_retrieval_head", "needle_kvpress", "passkey", "2stageretr",
-               "longbench_v2")  # no 'dataset' needed
 ALIASES = {"prediction": ("prediction", "pred"), "answers": ("answers", "ground_truth")}
-#: per benchmark where its upstream files name fields otherwise: LongBench v2's results (pred.py) hold the response as
-#: ``response`` and the extracted letter as ``pred`` (which must not be scored as the response), the key as ``answer``
-BENCHMARK_ALIASES = {"longbench_v2": {"prediction": ("prediction", "response"), "answers": ("answers", "answer")}}
 FROM_META = ("dataset", "all_classes", "length", "options", "label", "part", "question_index")
+
+
+def benchmarks() -> dict[str, str]:
+    """``{benchmark: "module:function"}``: every task whose declaration (``kvbench/tasks/<task>/task_spec.py``, see
+    kvbench.tasks.spec) names a re-scorer, in the declared order (the official scorers, then kvbench's generated
+    tasks); the same dict while the task search path is unchanged. Also ``BENCHMARKS``."""
+    return _derived()[0]
+
+
+def _derived() -> tuple[dict[str, str], tuple[str, ...], dict[str, dict[str, tuple[str, ...]]]]:
+    from kvbench.tasks import spec
+
+    path = spec.search_path()
+    if path not in _DERIVED:
+        found = spec.rescorers()
+        _DERIVED[path] = ({name: r.target for name, r in found.items()},
+                          tuple(name for name, r in found.items() if r.single_task),  # no 'dataset' needed
+                          {name: dict(r.aliases) for name, r in found.items() if r.aliases})
+    return _DERIVED[path]
+
+
+_DERIVED: dict[tuple, tuple] = {}
+#: the module attributes derived from the task declarations: BENCHMARKS (benchmark -> "module:function"),
+#: SINGLE_TASK (benchmarks whose records need no 'dataset') and BENCHMARK_ALIASES (per benchmark where its upstream
+#: files name fields otherwise: LongBench v2's results (pred.py) hold the response as ``response`` and the extracted
+#: letter as ``pred``, which must not be scored as the response, the key as ``answer``)
+_DERIVED_NAMES = ("BENCHMARKS", "SINGLE_TASK", "BENCHMARK_ALIASES")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DERIVED_NAMES:
+        return _derived()[_DERIVED_NAMES.index(name)]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class UsageError(KVBenchError):
@@ -76,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m kvbench.score", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("predictions", help="JSONL file: one prediction per line (see module docstring)")
-    parser.add_argument("--benchmark", required=True, help=f"one of {', '.join(BENCHMARKS)}")
+    parser.add_argument("--benchmark", required=True, help=f"one of {', '.join(benchmarks())}")
     parser.add_argument("--out", help="write the scores as JSON to this file ('-': to stdout instead of the table)")
     parser.add_argument("--dataset", help="dataset of records without one (e.g. an official preds_<task>.jsonl)")
     parser.add_argument("--math-calc-drop-first", action="store_true",
@@ -91,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_scorer(benchmark: str) -> Any:
     """The ``score_records`` function of ``benchmark`` (ConfigError-like one-liners for unknown or missing ones)."""
-    if benchmark not in BENCHMARKS:
-        raise UsageError(f"unknown benchmark {benchmark!r}; valid benchmarks: {', '.join(BENCHMARKS)}")
-    module_name, _, function = BENCHMARKS[benchmark].partition(":")
+    known = benchmarks()
+    if benchmark not in known:
+        raise UsageError(f"unknown benchmark {benchmark!r}; valid benchmarks: {', '.join(known)}")
+    module_name, _, function = known[benchmark].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -198,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.benchmark != "longbench_v2":
                 raise UsageError("--compensated applies to --benchmark longbench_v2 only")
             options["compensated"] = True
-        default = args.dataset or (args.benchmark if args.benchmark in SINGLE_TASK else None)
-        records = read_records(args.predictions, default, BENCHMARK_ALIASES.get(args.benchmark))
+        _, single_task, aliases = _derived()
+        default = args.dataset or (args.benchmark if args.benchmark in single_task else None)
+        records = read_records(args.predictions, default, aliases.get(args.benchmark))
         try:
             scores = scorer(records, **options)
         except (KeyError, IndexError, TypeError, ValueError) as exc:  # scorers that do not raise DataError

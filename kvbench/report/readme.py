@@ -10,8 +10,9 @@ Blocks:
   reference), its idea (the docstring's first paragraph), where it acts (the ``Method`` hooks its class overrides),
   its defaults (``conf/method/<name>.yaml`` resolved by the class: what ``method=<name>`` runs) and the other
   readings it offers (hand-written in ``readme.yaml``, every ``field=value`` checked by the tests);
-* ``tasks``: one row per group of task configs (``conf/task/``) with the registered task each names and its folder;
-  protocol and metric hand-written in ``readme.yaml``;
+* ``tasks``: one row per group of task configs (``conf/task/``) with the registered task each names and its folder,
+  in the order of the task packages' declarations (``kvbench/tasks/<task>/task_spec.py``, which also hold the rows'
+  hand-written protocol and metric);
 * ``miniature-summary``, ``miniature-verdicts``, ``miniature-claims``: the CPU miniature's % of FullKV per method and
   budget, its verdict table and a one-line-per-claim summary, evaluated from ``results/cpu_miniature`` (its
   ``claims.yaml`` and committed runs) exactly as ``report/claims.md`` is;
@@ -146,33 +147,47 @@ def methods_block(root: Path) -> str:
 
 def task_configs(root: Path) -> dict[str, str]:
     """``{config name under conf/task: the registered task it names}`` (through the config's defaults list, as
-    ``needle_chat`` extends ``needle``)."""
-    folder = root / "conf" / "task"
+    ``needle_chat`` extends ``needle``): ``root``'s ``conf/task/`` and, for a task package found through
+    ``KVBENCH_TASK_PATH``, the package's own ``conf/task/``."""
+    from kvbench.tasks import spec
 
-    def name_of(stem: str, seen: tuple[str, ...] = ()) -> str:
+    folders = [root / "conf" / "task"] + [conf / "task" for conf in spec.external_config_dirs()]
+
+    def name_of(folder: Path, stem: str, seen: tuple[str, ...] = ()) -> str:
         conf = yaml.safe_load((folder / f"{stem}.yaml").read_text(encoding="utf-8")) or {}
         if "name" in conf:
             return str(conf["name"])
         for parent in conf.get("defaults") or []:
             if isinstance(parent, str) and parent != "_self_" and parent not in seen:
-                return name_of(parent, (*seen, stem))
+                return name_of(folder, parent, (*seen, stem))
         return stem
 
-    return {path.stem: name_of(path.stem) for path in sorted(folder.glob("*.yaml"))}
+    return {path.stem: name_of(folder, path.stem) for folder in folders for path in sorted(folder.glob("*.yaml"))}
 
 
 def task_folder(task: str) -> str:
-    """The package folder of a registered task (``kvbench/tasks/needle/``)."""
-    from kvbench.tasks import TASKS
+    """The package folder of a registered task, from its declaration: ``kvbench/tasks/needle/`` in this repository,
+    the absolute path of one found through ``KVBENCH_TASK_PATH``."""
+    from kvbench.tasks import spec
 
-    module = TASKS.entries[task].partition(":")[0].split(".")
-    return "/".join(module[:3]) + "/"
+    folder = spec.declaring(task).folder
+    repository = spec.TASKS_DIR.parents[1]
+    return (folder.relative_to(repository).as_posix() if folder.is_relative_to(repository) else folder.as_posix()) + "/"
+
+
+def task_rows() -> list[dict[str, Any]]:
+    """The task table's rows (``configs``, ``protocol``, ``metric``), from the task packages' declarations in their
+    order (``kvbench/tasks/<task>/task_spec.py``)."""
+    from kvbench.tasks import spec
+
+    return [{"configs": list(row.configs), "protocol": row.protocol, "metric": row.metric}
+            for _, row in spec.readme_rows()]
 
 
 def tasks_block(root: Path) -> str:
     configs = task_configs(root)
     lines = ["| task | protocol | metric | code and README |", "|---|---|---|---|"]
-    for row in data()["tasks"]:
+    for row in task_rows():
         names = []
         for config in row["configs"]:
             task = configs[config]
@@ -342,4 +357,4 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = ["BLOCKS", "FILES", "acts", "data", "defaults", "main", "methods_block", "miniature_claims",
            "miniature_provenance", "miniature_summary", "miniature_verdicts", "query_agnostic_provenance",
            "question_miniature", "question_new_methods", "render", "stale", "task_configs", "task_folder",
-           "tasks_block", "window_kernel_provenance", "window_kernel_verdicts"]
+           "task_rows", "tasks_block", "window_kernel_provenance", "window_kernel_verdicts"]

@@ -1,4 +1,16 @@
-"""Benchmark tasks, registered here by config name, plus the field checks they share.
+"""Benchmark tasks, registered by config name from their own declarations, plus the field checks they share.
+
+Each task package under ``kvbench/tasks/`` declares itself in its ``task_spec.py`` (``SPEC = TaskSpec(...)``, see
+``kvbench.tasks.spec``): the config names it registers and their classes, how ``python -m kvbench.score`` re-scores
+them, the cell fields of a generated task's grid and its rows of the README's task table. ``TASKS`` here,
+``kvbench.score.BENCHMARKS`` and the README's task table are derived from those declarations; adding a task touches
+its own folder and its config under ``conf/task/``.
+
+A task kept outside this repository: put its package (a folder with ``__init__.py``, ``task_spec.py`` and the Task
+subclass) in a folder named by the ``KVBENCH_TASK_PATH`` environment variable (``os.pathsep``-separated folders, like
+``PYTHONPATH``), its config in that package's ``conf/task/<name>.yaml``, and tell Hydra where the config is:
+``KVBENCH_TASK_PATH=/my/tasks python -m kvbench.run task=toy hydra.searchpath=[file:///my/tasks/toy/conf]``.
+``python -m kvbench.score --benchmark toy`` and ``python -m kvbench.report readme`` see it through the variable alone.
 
 ``build_task(cfg)`` turns the composed ``task`` config node into a validated Task without loading a model or
 generating data, so a bad ``task=...`` override fails in well under a second.
@@ -16,31 +28,29 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kvbench.errors import ConfigError
 from kvbench.registry import Registry
+from kvbench.tasks import spec
 from kvbench.tasks.base import Sample, Task
 
-TASKS = Registry(
-    "task",
-    {
-        "needle": "kvbench.tasks.needle:NeedleTask",
-        "needle_retrieval_head": "kvbench.tasks.needle.retrieval_head:NeedleRetrievalHeadTask",
-        "needle_kvpress": "kvbench.tasks.needle.kvpress:NeedleKVPressTask",
-        "needle_multiturn": "kvbench.tasks.needle.multiturn:NeedleMultiTurnTask",
-        "passkey": "kvbench.tasks.passkey:PasskeyTask",
-        "2stageretr": "kvbench.tasks.twostage_retr:TwoStageRetrTask",
-        "longbench": "kvbench.tasks.longbench:LongBenchTask",
-        "longbench_e": "kvbench.tasks.longbench:LongBenchETask",
-        "longbench_zh": "kvbench.tasks.longbench:LongBenchZhTask",
-        "longbench_v2": "kvbench.tasks.longbench_v2:LongBenchV2Task",
-        "leval": "kvbench.tasks.leval:LEvalTask",
-        "zeroscrolls": "kvbench.tasks.zeroscrolls:ZeroScrollsTask",
-        "infinitebench": "kvbench.tasks.infinitebench:InfiniteBenchTask",
-        "ruler": "kvbench.tasks.ruler:RulerTask",
-        "pg19": "kvbench.tasks.pg19:PG19Task",
-        "gsm8k": "kvbench.tasks.lmeval:GSM8KTask",
-        "coqa": "kvbench.tasks.lmeval:CoQATask",
-        "truthfulqa": "kvbench.tasks.lmeval:TruthfulQATask",
-    },
-)
+
+class _DeclaredTasks(Registry):
+    """The task registry, derived from the task packages' declarations (``kvbench.tasks.spec``): ``entries`` is
+    ``{name: "module:Class"}`` for the current search path (``kvbench/tasks/`` plus ``KVBENCH_TASK_PATH``), found
+    again when that path changes."""
+
+    def __init__(self) -> None:  # no Registry.__init__: entries are found, not given
+        self.kind = "task"
+        self.pending: dict[str, str] = {}
+        self._found: dict[tuple, dict[str, str]] = {}
+
+    @property
+    def entries(self) -> dict[str, str]:
+        path = spec.search_path()
+        if path not in self._found:
+            self._found[path] = spec.task_classes()
+        return self._found[path]
+
+
+TASKS = _DeclaredTasks()
 
 
 def build_task(cfg: Any) -> Task:
