@@ -1,5 +1,6 @@
-"""``python -m kvbench.report readme``: the generated blocks of README.md, of every ``docs/*.md`` page and of the
-committed results' READMEs, from the registries and the committed results.
+"""``python -m kvbench.report readme``: the generated blocks of README.md, docs/*.md and the results READMEs.
+
+They are written from the registries and the committed results.
 
 A generated block sits between ``<!-- kvbench:NAME -->`` and ``<!-- /kvbench:NAME -->``; the command rewrites what
 is between the markers and leaves every other line (the hand-written prose) alone. ``--check`` writes nothing and
