@@ -187,7 +187,7 @@ class LongBenchV2Task(Task):
         from kvbench.engine import CompressionSession
         from kvbench.methods import METHODS
 
-        return CompressionSession(loaded.model, METHODS.build("fullkv", {}), Budget.parse("full"))
+        return CompressionSession(loaded.model, METHODS.build("fullkv", {}), Budget.full())
 
     # ---- scores ----
     def score(self, prediction: str, sample: Sample) -> float:
