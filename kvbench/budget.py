@@ -8,6 +8,12 @@ A budget says how many KV entries a method may keep *per layer and per head* aft
   each sample keeps ``round(ratio * n)`` tokens per layer, where ``n`` is that sample's prompt length.
 
 Methods with per-layer allocations (PyramidKV, DynamicKV, D2O) keep this number *on average over layers*.
+
+A budget is parsed once, at the edge, by ``parse_budget`` (the command line's check, the job plan, the sweep plan, the
+bench's grids and its probe's request all call it, so the accepted forms and the wording cannot drift), and passed as
+this typed value from there on: nothing below the plan reads a raw budget. Its checks against a method (the
+method's minimum: SnapKV's window, StreamingLLM's sinks) are ``check_budget``'s alone: the plan calls it before any
+model loads, the session calls it again on each prompt (a ratio resolves per prompt).
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ from dataclasses import dataclass
 
 from kvbench.errors import ConfigError
 
+#: the forms a budget may take, named by every refusal of a malformed one
+VALID_FORMS = ("valid: tokens per layer as an integer >= 1 (e.g. 128), a ratio of the prompt length in (0, 1) "
+               "(e.g. 0.2), or full")
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -25,32 +35,34 @@ class Budget:
 
     @classmethod
     def parse(cls, raw: object) -> Budget:
-        """Parse the top-level ``budget`` config value; raises ConfigError naming the bad value."""
+        """Parse the top-level ``budget`` config value; raises ConfigError naming the bad value and the valid forms.
+        Callers outside this module use ``parse_budget`` (the edge)."""
         if raw is None or (isinstance(raw, str) and raw.lower() in {"full", "none", "null"}):
-            return cls("full", math.inf)
+            return cls.full()
         if isinstance(raw, bool):
-            raise ConfigError(f"budget={raw!r} is not a number; use tokens per layer (e.g. 128) or a ratio (e.g. 0.2)")
+            raise ConfigError(f"budget={raw!r} is not a number; {VALID_FORMS}")
         if isinstance(raw, str):
             try:
                 raw = float(raw) if any(c in raw for c in ".eE") else int(raw)
             except ValueError:
-                raise ConfigError(
-                    f"budget={raw!r} is not a number; use tokens per layer (e.g. 128) or a ratio in (0, 1) (e.g. 0.2)"
-                ) from None
+                raise ConfigError(f"budget={raw!r} is not a number; {VALID_FORMS}") from None
         if isinstance(raw, int):
             if raw <= 0:
-                raise ConfigError(f"budget={raw} must be > 0 (tokens per layer, e.g. 128) or a ratio in (0, 1)")
+                raise ConfigError(f"budget={raw} must be > 0; {VALID_FORMS}")
             return cls("tokens", int(raw))
         if isinstance(raw, float):
             if math.isnan(raw) or raw <= 0:
-                raise ConfigError(f"budget={raw} must be > 0: tokens per layer (e.g. 128) or a ratio in (0, 1)")
+                raise ConfigError(f"budget={raw} must be > 0; {VALID_FORMS}")
             if raw < 1:
                 return cls("ratio", float(raw))
-            raise ConfigError(
-                f"budget={raw} is a ratio >= 1; a ratio of the prompt length must be in (0, 1) (e.g. 0.2), "
-                "tokens per layer are written as an integer (e.g. 128)"
-            )
-        raise ConfigError(f"budget={raw!r} has type {type(raw).__name__}; use an int (tokens) or a float in (0, 1)")
+            raise ConfigError(f"budget={raw} is a ratio >= 1 (tokens per layer are written as an integer); "
+                              f"{VALID_FORMS}")
+        raise ConfigError(f"budget={raw!r} has type {type(raw).__name__}; {VALID_FORMS}")
+
+    @classmethod
+    def full(cls) -> Budget:
+        """Keep everything (FullKV's budget, and what ``budget=null`` / ``full`` parses to)."""
+        return cls("full", math.inf)
 
     @property
     def is_full(self) -> bool:
@@ -71,3 +83,41 @@ class Budget:
         if self.kind == "ratio":
             return f"{self.value:g}"
         return str(int(self.value))
+
+
+def parse_budget(raw: object, method: str | None = None) -> Budget:
+    """The one parse of a budget as written (a config's or the command line's ``budget``, a bench grid's entry, a
+    stored label): ``Budget.parse``'s forms and messages (ConfigError naming the value and the valid forms). The
+    ``method`` named ``fullkv`` keeps everything: its budget is full whatever was written (a malformed value is still
+    refused, the same way for every method)."""
+    budget = Budget.parse(raw)
+    return Budget.full() if method == "fullkv" else budget
+
+
+def check_budget(budget: Budget, method: object, prompt_len: int | None = None, where: str = "") -> None:
+    """Every check of a parsed ``budget`` against a ``method`` (anything with ``name``, ``min_budget_tokens()`` and
+    ``min_budget_reason()``), in one place; raises ConfigError in one line.
+
+    * ``full`` passes;
+    * a token budget below ``method.min_budget_tokens()`` (SnapKV's observation window + 1, StreamingLLM's sinks + 1)
+      is refused whatever the prompt;
+    * a ratio resolves per prompt: with ``prompt_len`` it is refused when it would compress that prompt below the
+      minimum (``where`` names the prompt: ``for a prompt of 200 tokens``); a prompt the ratio holds whole is fine,
+      however short. Without ``prompt_len`` a ratio passes (its range, (0, 1), is ``Budget.parse``'s).
+    """
+    if budget.is_full:
+        return
+    minimum = method.min_budget_tokens()
+    if budget.kind == "tokens":
+        if budget.value < minimum:
+            raise ConfigError(f"budget={budget.label()} is below the minimum {minimum} tokens per layer of method "
+                              f"{method.name!r} ({method.min_budget_reason()})")
+        return
+    if prompt_len is None:
+        return
+    tokens = budget.tokens_for(prompt_len)
+    if tokens < minimum and tokens < prompt_len:
+        raise ConfigError(
+            f"budget={budget.label()} resolves to {tokens} token{'s' * (tokens != 1)} per layer {where}, below the "
+            f"minimum {minimum} tokens per layer of method {method.name!r} ({method.min_budget_reason()})"
+        )

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from kvbench.budget import Budget
+from kvbench.budget import parse_budget
 from kvbench.config import CONF_DIR, top_level_values
 from kvbench.config import root_config as _root_config
 from kvbench.errors import ConfigError
@@ -48,9 +48,12 @@ def precheck_overrides(argv: list[str], config_name: str = "config") -> None:
             bad = [choice for choice in _split_sweep(value) if choice and choice not in options]
             problems += [_unknown_option_message(key, choice, options) for choice in bad]
             bad_groups.update([key] if bad else [])
-        elif key == "budget":
+        elif key == "budget":  # the job plan's own parse (parse_budget), on each value written
             for choice in _split_sweep(value):
-                Budget.parse(_yaml_scalar(choice))
+                try:
+                    parse_budget(_yaml_scalar(choice))
+                except ConfigError as exc:
+                    problems.append(str(exc))
     problems += _field_problems(argv, skip=bad_groups)
     if problems:
         raise ConfigError("; ".join(problems))

@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from kvbench.bench.measure import essay_tokens  # noqa: E402
 from kvbench.bench.run import method_config  # noqa: E402
-from kvbench.budget import Budget  # noqa: E402
+from kvbench.budget import Budget, parse_budget  # noqa: E402
 from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate  # noqa: E402
 from kvbench.errors import KVBenchError  # noqa: E402
 from kvbench.methods import METHODS, build_method  # noqa: E402
@@ -103,7 +103,7 @@ def build(name: str, budget: Budget):
 def compare_devices(name, cpu_model, gpu_model, budget, prompt, pad_id, tokenizer) -> dict:
     """float32: the same method on CPU and GPU (offload, GPU-only, against FullKV on the CPU)."""
     reference = "fullkv" if getattr(METHODS.get_class(name), "requires_cuda", False) else name
-    ref_budget = Budget.parse(None) if reference == "fullkv" else budget
+    ref_budget = Budget.full() if reference == "fullkv" else budget
     ids = torch.tensor([prompt])
     cpu_logits, cpu_kept = prefill(cpu_model, build(reference, ref_budget), ref_budget, ids, tokenizer)
     gpu_logits, gpu_kept = prefill(gpu_model, build(name, budget), budget, ids.to(gpu_model.device), tokenizer)
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     gpu_model = copy.deepcopy(cpu_model).to(args.device)
     pad_id = tokenizer.pad_token_id
     prompt = essay_tokens(tokenizer, args.length)
-    budget = Budget.parse(args.budget)
+    budget = parse_budget(args.budget)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     names = args.methods or METHODS.names()
     short = min(args.sequential_length, args.length)

@@ -152,6 +152,25 @@ def test_bad_bench_configs(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_a_grid_budget_is_parsed_and_checked_before_the_model_loads(tmp_path, monkeypatch):
+    """The grid's budgets go through the job plan's parse (same wording) and its check on each cell's prompt."""
+    import kvbench.models
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(kvbench.models, "load_model", no_load)
+    with pytest.raises(ConfigError, match="^budget='abc' is not a number; valid: tokens per layer"):
+        expand(_cfg(tmp_path, "bench.grids.0.budgets=[abc]").bench)
+    # SnapKV needs 33 tokens; 0.05 of the 256-token prompt is 13
+    with pytest.raises(ConfigError, match=r"^budget=0.05 resolves to 13 tokens per layer for a prompt of 256 tokens, "
+                                          r"below the minimum 33 tokens per layer of method 'snapkv'"):
+        _run(_cfg(tmp_path, "bench.grids.0.budgets=[0.05]"))
+    with pytest.raises(ConfigError, match="^budget=16 is below the minimum 33"):
+        _run(_cfg(tmp_path, "bench.grids.0.budgets=[16]"))
+    assert not (tmp_path / "bench").exists()
+
+
 def test_peak_memory_sees_an_allocation():
     with PeakMemory(torch.device("cpu")) as peak:
         block = torch.ones(16 * 2**20)  # 64 MiB, touched

@@ -79,6 +79,19 @@ BAD = [
     (["budget=-3"], "budget=-3"),
     (["budget=1.5"], "budget=1.5"),
     (["budget=16"], "budget=16 is below the minimum 33"),
+    # every malformed form names the value and the valid forms (kvbench.budget.parse_budget, the one parse)
+    (["budget=abc"], "budget='abc' is not a number; valid: tokens per layer as an integer >= 1 (e.g. 128), a ratio "
+                     "of the prompt length in (0, 1) (e.g. 0.2), or full"),
+    (["budget=1.0"], "budget=1.0 is a ratio >= 1 (tokens per layer are written as an integer); valid: "),
+    (["method=streamingllm", "method.sink_size=64", "budget=64"],
+     "budget=64 is below the minimum 65 tokens per layer of method 'streamingllm' (sink_size=64 sinks + at least one "
+     "recent token)"),
+    (["method=streamingllm", "method.variant=kvfactory", "method.window=64", "budget=64"],
+     "budget=64 is below the minimum 65 tokens per layer of method 'streamingllm'"),
+    (["-m", "budget=64,abc"], "budget='abc' is not a number; valid: "),
+    (["-m", "budget=abc,0,64,1.5"], "budget='abc' is not a number; valid: tokens per layer as an integer >= 1 "
+                                    "(e.g. 128), a ratio of the prompt length in (0, 1) (e.g. 0.2), or full; "
+                                    "budget=0 must be > 0; valid: "),
     (["method=pyramidkv", "budget=4"], "budget=4 is below"),
     (["method=sirllm", "method.decay_ratio=0"], "method 'sirllm': decay_ratio=0 must be in (0, 1]"),
     (["task=infinitebench", "task.data_dir=/nonexistent/infinitebench"], "/nonexistent/infinitebench"),

@@ -50,13 +50,13 @@ def measure(req: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from kvbench.bench.measure import PeakMemory, measure_cell, prompts_for
-    from kvbench.budget import Budget
+    from kvbench.budget import parse_budget
     from kvbench.engine import CompressionSession, greedy_generate
     from kvbench.methods import build_method
     from kvbench.models import load_model
 
     torch.manual_seed(req.get("seed", 0))
-    budget = Budget.parse(req["budget"])
+    budget = parse_budget(req["budget"], req["method"].get("name"))  # the label the parent parsed
     method = build_method(dict(req["method"]), budget)
     loaded = load_model(req["model"])
     if req["what"] == "prefill":

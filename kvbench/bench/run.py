@@ -29,7 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.bench.peer import check_peer
-from kvbench.budget import Budget
+from kvbench.budget import Budget, check_budget, parse_budget
 from kvbench.config import CONF_DIR
 from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
 
@@ -75,7 +75,7 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                               f"grid's metrics")
         for method in grid.get("methods") or []:
             for raw_budget in grid["budgets"]:
-                budget = Budget.parse(None if method == "fullkv" else raw_budget)  # FullKV ignores budgets
+                budget = parse_budget(raw_budget, method)  # the job plan's parse: FullKV's is full
                 for length in grid["context_lengths"]:
                     for batch in grid.get("batch_sizes", [1]):
                         _check_shape(bench, index, length, batch)
@@ -99,7 +99,7 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                     _check_shape(bench, index, length, batch)
                     key = (peer, "full", length, batch)
                     if key not in seen:
-                        seen[key] = {"method": peer, "peer": True, "budget": Budget.parse(None),
+                        seen[key] = {"method": peer, "peer": True, "budget": Budget.full(),
                                       "context_length": length, "batch_size": batch, "metrics": ["decode"],
                                       "overrides": None, "memory_limit_gb": None, "paired": False,
                                       "new_tokens": grid.get("new_tokens", bench.new_tokens),
@@ -142,13 +142,17 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     for cell in cells:  # every method builds and validates before the model loads
         if cell.get("peer"):
             continue
+        key = (cell["method"], cell["budget"].label())
         try:
-            methods[(cell["method"], cell["budget"].label())] = build_method(
-                method_config(cell["method"], cell["overrides"]), cell["budget"])
+            methods[key] = build_method(method_config(cell["method"], cell["overrides"]), cell["budget"])
         except NotAvailableError as exc:
             log.warning("skipping %s: %s", cell["method"], exc)
+            continue
+        # the job plan's check on the cell's own prompt (a ratio resolves on its length), as the session would refuse
+        check_budget(cell["budget"], methods[key], cell["context_length"],
+                     f"for a prompt of {cell['context_length']} tokens")
     floor = _Floor(bench.get("floor"))
-    fullkv = (build_method(method_config("fullkv", None), Budget.parse(None)), Budget.parse(None))
+    fullkv = (build_method(method_config("fullkv", None), Budget.full()), Budget.full())
     torch.manual_seed(cfg.seed)
     loaded = load_model(spec)
     device = str(loaded.device)
@@ -191,7 +195,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
                                         else None).as_dict())
                 # the peer's cache is dense: the prompt's K and V, as FullKV's after prefill
                 row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
-                row.update(floor.fields(budget_bytes(loaded, Budget.parse(None), cell["context_length"],
+                row.update(floor.fields(budget_bytes(loaded, Budget.full(), cell["context_length"],
                                                      cell["batch_size"]), row.get("decode_ms_per_token")))
                 f.write(json.dumps(row) + "\n")
                 f.flush()
@@ -367,7 +371,7 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                 elif target.get("equals_budget") or "max_budget_ratio" in target:
                     expected = row.get("budget_kv_bytes")
                     if expected is None:  # a row measured before layer types were read: every layer is full
-                        budget = Budget.parse(_number(row["budget"]))
+                        budget = parse_budget(row["budget"])
                         expected = row["batch_size"] * budget.tokens_for(length) * row["kv_bytes_per_token"]
                     verdict.update(expected=expected, ok=row.get(metric) == expected)
                     if "max_budget_ratio" in target and row.get(metric) is not None:  # at most the bound x budget's
@@ -398,13 +402,6 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                         verdict.update(fullkv=value)
                 verdicts.append(verdict)
     return verdicts
-
-
-def _number(label: str) -> Any:
-    try:
-        return int(label)
-    except ValueError:
-        return float(label)
 
 
 def targets_markdown(verdicts: list[dict[str, Any]]) -> str:

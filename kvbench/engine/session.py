@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvbench.budget import Budget
+from kvbench.budget import Budget, check_budget
 from kvbench.engine.architecture import (
     SLIDING_POLICIES,
     LayerAttention,
@@ -607,10 +607,11 @@ class CompressionSession:
             )
 
     def _check_budget_minimum(self) -> None:
-        """A ratio budget that would compress a row's prompt below the method's minimum (SnapKV's observation window)
-        stops the job, as ``Method.validate`` refuses such a token budget (host ints only)."""
+        """The plan's own budget check (``kvbench.budget.check_budget``) on each row's prompt: the plan can only check
+        a ratio on the longest prompt a model takes, and a ratio resolves per prompt, so one that would compress a
+        shorter prompt below the method's minimum (SnapKV's observation window) stops the job here (host ints only)."""
         for n in self.stats.prompt_lens:
-            self.method.check_resolved_budget(self.budget, n, f"for a prompt of {n} tokens")
+            check_budget(self.budget, self.method, n, f"for a prompt of {n} tokens")
 
     def _finish_prefill(self, ctx: PrefillContext) -> None:
         """After the last layer: cross-layer decisions (D2O's allocation, DynamicKV's last update), then stats."""

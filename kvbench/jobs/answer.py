@@ -57,7 +57,7 @@ class EngineAnswerer:
         from kvbench.engine import CompressionSession
         from kvbench.methods import METHODS
 
-        return CompressionSession(self.loaded.model, METHODS.build("fullkv", {}), Budget.parse("full"))
+        return CompressionSession(self.loaded.model, METHODS.build("fullkv", {}), Budget.full())
 
 
 def stop_checker(tokenizer: Any, stop_strings: tuple[str, ...], tail: int) -> Callable[[int, list[int]], bool] | None:

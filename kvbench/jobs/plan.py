@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.budget import Budget
+from kvbench.budget import Budget, check_budget, parse_budget
 from kvbench.errors import ConfigError, NotAvailableError
 
 
@@ -40,10 +40,8 @@ def plan_job(cfg: DictConfig) -> Job:
     from kvbench.models import spec_from_config
     from kvbench.tasks import build_task
 
-    budget = Budget.parse(cfg.budget)
     method_cfg = OmegaConf.to_container(cfg.method, resolve=True)
-    if method_cfg.get("name") == "fullkv":
-        budget = Budget("full", float("inf"))
+    budget = parse_budget(cfg.budget, method_cfg.get("name"))  # the job's one parse; the typed value from here on
     missing, method, task = [], None, None
     try:
         method = build_method(method_cfg, budget)
@@ -60,8 +58,7 @@ def plan_job(cfg: DictConfig) -> Job:
     # truncation length, or the context window a task's truncate_to may reach) is below it on every prompt it
     # compresses; the session checks each prompt's own length
     longest = max(spec.max_input_tokens or 0, spec.context_length)
-    method.check_resolved_budget(budget, longest,
-                                 f"even on the longest prompt model {spec.name!r} takes ({longest} tokens)")
+    check_budget(budget, method, longest, f"even on the longest prompt model {spec.name!r} takes ({longest} tokens)")
     if method.requires_cuda:
         _check_cuda_method(method.name, spec)
     if cfg.position_mode not in POSITION_MODES:

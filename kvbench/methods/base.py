@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.budget import Budget
+from kvbench.budget import Budget, check_budget
 from kvbench.errors import ConfigError
 from kvbench.methods.contexts import DecodeContext, PrefillContext
 
@@ -84,25 +84,10 @@ class Method:
     key_omitted: ClassVar[dict[str, object]] = {}
 
     def validate(self, budget: Budget) -> None:
-        """Reject a budget or hyperparameters before any model loads (raise ConfigError naming the value)."""
-        if budget.kind == "tokens" and budget.value < self.min_budget_tokens():
-            raise ConfigError(
-                f"budget={budget.label()} is below the minimum {self.min_budget_tokens()} tokens per layer of "
-                f"method {self.name!r} ({self.min_budget_reason()})"
-            )
-
-    def check_resolved_budget(self, budget: Budget, prompt_len: int, where: str) -> None:
-        """Refuse a ratio ``budget`` that compresses a prompt of ``prompt_len`` tokens below ``min_budget_tokens()``,
-        as ``validate`` refuses such a token budget (a ratio resolves per prompt). A prompt the budget holds whole is
-        fine, however short. ``where`` names the prompt for the message (``for a prompt of 200 tokens``)."""
-        if budget.kind != "ratio":
-            return
-        tokens, minimum = budget.tokens_for(prompt_len), self.min_budget_tokens()
-        if tokens < minimum and tokens < prompt_len:
-            raise ConfigError(
-                f"budget={budget.label()} resolves to {tokens} token{'s' * (tokens != 1)} per layer {where}, below the "
-                f"minimum {minimum} tokens per layer of method {self.name!r} ({self.min_budget_reason()})"
-            )
+        """Reject a budget or hyperparameters before any model loads (raise ConfigError naming the value). The
+        budget's own checks (``min_budget_tokens``) are ``kvbench.budget.check_budget``'s; a method that overrides
+        this for checks of its own calls ``super().validate(budget)``."""
+        check_budget(budget, self)
 
     def min_budget_tokens(self) -> int:
         """The fewest tokens per layer a budget may give this method (1 where its own fields, not the budget, decide

@@ -17,7 +17,7 @@ from typing import Any
 from hydra._internal.config_repository import CachingConfigRepository
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from kvbench.budget import Budget
+from kvbench.budget import parse_budget
 from kvbench.errors import DataError, KVBenchError, NotAvailableError
 
 #: What the store says about a planned job. The first three are submitted by a sweep; the rest are not.
@@ -289,11 +289,11 @@ def _identity_from_config(cfg: DictConfig) -> tuple[str, str, str, str]:
         value = OmegaConf.select(cfg, f"{node}.name", default=None)
         return str(value) if value is not None else "?"
 
-    try:
-        budget = Budget.parse(cfg.get("budget"))
+    try:  # the job plan's parse (a job it refused still lists its budget as the plan would have labelled it)
+        budget = parse_budget(cfg.get("budget"), name("method"))
     except KVBenchError:
         return name("model"), name("method"), str(cfg.get("budget")), name("task")
-    label = "full" if name("method") == "fullkv" else budget.label()
+    label = budget.label()
     try:  # a method that is implemented names its own jobs (POD by its window) even when the task is not
         from kvbench.methods import build_method
 
@@ -301,7 +301,6 @@ def _identity_from_config(cfg: DictConfig) -> tuple[str, str, str, str]:
     except (KVBenchError, KeyError, TypeError):
         pass
     return name("model"), name("method"), label, name("task")
-    return name("model"), name("method"), budget, name("task")
 
 
 def _identity_from_overrides(overrides: Sequence[str]) -> tuple[str, str, str, str]:
