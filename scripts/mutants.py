@@ -51,6 +51,7 @@ TOVA = [*SCORERS, "tests/test_parity_tova_official.py", "-k", "tova"]
 ADAKV_OFFICIAL = ["tests/test_parity_adakv_official.py"]
 KVZIP = ["tests/test_parity_kvpress_kvzip.py", "tests/test_parity_kvzip_official.py"]
 RAGGED = ["tests/test_ragged_cache.py"]
+EDGES = ["tests/test_decision_edges.py"]  # boundary tests of decision lines (issue #39 item 5)
 KERNELS = ["tests/test_prefill_kernels.py", "tests/test_fused_column_sums.py", "tests/test_method_cam.py"]
 
 
@@ -410,6 +411,35 @@ MUTANTS = [
            "scores[..., :n_sink] = scores.amax() + 1.0",
            "scores[..., :0] = scores.amax() + 1.0",
            KVZIP, "selection: the first n_sink entries not forced to stay (scored like the others)"),
+    # ---- decision-line boundaries (issue #39 item 5: tests/test_decision_edges.py) ------------------------------
+    Mutant("keep-top-row-cap", "snapkv", "kvbench/methods/cache_ops.py",
+           "            k = caps[row]\n",
+           "            k = caps[0]\n",
+           EDGES, "keep_top: rows keeping different numbers all keep the first row's number"),
+    Mutant("keep-top-row-window", "snapkv", "kvbench/methods/cache_ops.py",
+           "top, chosen = _top(own, k, windows[row])",
+           "top, chosen = _top(own, k, windows[0])",
+           EDGES, "keep_top: rows with their own windows all protect the first row's window"),
+    Mutant("keep-top-row-single-eviction", "snapkv", "kvbench/methods/cache_ops.py",
+           "elif m - k == 1 and not windows[row]:",
+           "elif m - k == 2 and not windows[row]:",
+           EDGES, "keep_top: a row losing one entry among rows losing more drops another tied entry than alone"),
+    Mutant("keep-top-alike-rows-windows", "snapkv", "kvbench/methods/cache_ops.py",
+           "if len(set(caps)) == 1 and len(set(windows)) == 1:",
+           "if len(set(caps)) == 1:",
+           EDGES, "keep_top: rows keeping as many but with different windows selected with the first row's window"),
+    Mutant("keep-top-single-eviction-window", "snapkv", "kvbench/methods/cache_ops.py",
+           "if overflow == 1 and not any(windows):",
+           "if overflow == 1:",
+           EDGES, "keep_top: a one-eviction call with a window evicts the lowest score inside the window"),
+    Mutant("d2o-one-eviction-gate-strict", "d2o", "kvbench/methods/d2o_ops.py",
+           "merge = m.double() >= torch.where(fresh, mean_m, tau).unsqueeze(-1)",
+           "merge = m.double() > torch.where(fresh, mean_m, tau).unsqueeze(-1)",
+           EDGES, "EMA gate, one eviction (eager and captured): a similarity equal to tau is not merged"),
+    Mutant("d2o-official-gate-strict", "d2o", "kvbench/methods/d2o_ops.py",
+           "merge = slot >= new.unsqueeze(-1)",
+           "merge = slot > new.unsqueeze(-1)",
+           EDGES, "official gate: a head-mean similarity equal to the updated tau is not merged"),
 ]
 
 

@@ -1,0 +1,185 @@
+"""Boundary tests of the decision lines in ``kvbench/methods`` and ``kvbench/engine`` (issue #39 item 5): equalities,
+rows of one batch that keep different numbers of entries, and the first and last entry of a window. Each test pins a
+line that a one-line mutation (``scripts/mutants.py``) would otherwise change unnoticed; tensor-level, no model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from helpers import decode_step, kept_positions, make_layer, prefill_ctx
+from kvbench.engine.cache import KVLayer
+from kvbench.methods.base import keep_top
+
+
+def _layer(b: int, h: int, n: int, d: int = 4, seed: int = 0) -> KVLayer:
+    g = torch.Generator().manual_seed(seed)
+    return make_layer(torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g))
+
+
+def _row_alone(layer: KVLayer, row: int) -> KVLayer:
+    """Row ``row`` of ``layer`` as a batch of one (its valid entries only, in stored order: as it would be alone)."""
+    alone = KVLayer()
+    valid = layer.valid[row] if layer.valid is not None else torch.ones(layer.positions.shape[1:], dtype=torch.bool)
+    assert bool((valid.sum(-1) == valid.sum(-1)[0]).all()), "every head of the row holds as many entries"
+    keep = valid[0]
+    alone.update(layer.keys[row : row + 1, :, keep], layer.values[row : row + 1, :, keep])
+    alone.positions = layer.positions[row : row + 1, :, keep].clone()
+    return alone
+
+
+def _held(layer: KVLayer, row: int) -> list[list[int]]:
+    return kept_positions(layer, row)
+
+
+# ---- keep_top: rows of a batch keeping different numbers of entries ------------------------------------------------
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("windows", [0, [0, 2, 0, 3]])
+def test_keep_top_rows_keeping_different_numbers_select_as_each_row_alone(padded, windows):
+    """Rows keep 12 (all: fits), 11 (one eviction), 7 and 5 entries of 12, on integer scores with many ties: each
+    row's kept set (and the tied entry that stays) is exactly what ``keep_top`` keeps of the row alone."""
+    b, h, n = 4, 3, 12
+    layer = _layer(b, h, n, seed=1)
+    scores = torch.randint(0, 4, (b, h, n), generator=torch.Generator().manual_seed(2)).float()
+    if padded:  # row 3 left-padded by two entries (the engine's padded prompt), -inf as the engine gives them
+        valid = torch.ones(b, h, n, dtype=torch.bool)
+        valid[3, :, :2] = False
+        layer.set_valid(valid)
+        scores[3, :, :2] = float("-inf")
+    keep = [12, 11, 7, 5]
+    rows = [_row_alone(layer, r) for r in range(b)]
+    wins = [windows] * b if isinstance(windows, int) else windows
+    for r, alone in enumerate(rows):
+        own = scores[r : r + 1, :, 2:] if padded and r == 3 else scores[r : r + 1]
+        keep_top(alone, own, [keep[r]], window=[wins[r]])
+    keep_top(layer, scores, torch.tensor(keep), window=windows)
+    for r, alone in enumerate(rows):
+        assert _held(layer, r) == _held(alone, r * 0), r
+        held = layer.valid[r].sum(-1).tolist() if layer.valid is not None else [layer.num_entries] * h
+        assert held == [min(keep[r], n - (2 if padded and r == 3 else 0))] * h, r
+
+
+def test_keep_top_single_eviction_row_breaks_ties_as_argmin():
+    """A row losing exactly one entry among others losing more: the first of its tied lowest entries leaves, as
+    ``keep_top``'s one-eviction step (argmin) evicts it when the row is alone; a topk would drop another."""
+    b, h, n = 2, 1, 8
+    layer = _layer(b, h, n, seed=3)
+    scores = torch.tensor([[[5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0]],
+                           [[5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0]]])
+    keep_top(layer, scores, [7, 3])
+    assert _held(layer, 0) == [[0, 2, 3, 4, 5, 6, 7]]
+    alone = _layer(1, h, n, seed=3)
+    keep_top(alone, scores[:1], [7])
+    assert _held(alone, 0) == _held(layer, 0)
+
+
+def test_keep_top_rows_keeping_as_many_with_their_own_windows():
+    """Rows keep 5 of 10 each but protect different windows (0 and 3 newest): each row as it is alone, the second
+    keeping its three newest entries although they score lowest."""
+    layer = _layer(2, 1, 10, seed=5)
+    scores = torch.tensor([[[9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 0.0, 1.0, 2.0]]]).repeat(2, 1, 1)
+    keep_top(layer, scores, [5, 5], window=[0, 3])
+    assert [_held(layer, r) for r in range(2)] == [[[0, 1, 2, 3, 4]], [[0, 1, 7, 8, 9]]]
+
+
+def test_keep_top_one_eviction_keeps_the_window_whatever_its_scores():
+    """Every row loses one entry with a window: the lowest score inside the window stays, the lowest outside goes
+    (the single-eviction argmin is only for window-less calls)."""
+    layer = _layer(2, 1, 6, seed=4)
+    scores = torch.tensor([[[4.0, 3.0, 2.0, 5.0, 6.0, 0.0]], [[4.0, 1.0, 2.0, 5.0, 0.0, 6.0]]])
+    keep_top(layer, scores, [5, 5], window=2)
+    assert [_held(layer, r) for r in range(2)] == [[[0, 1, 3, 4, 5]], [[0, 2, 3, 4, 5]]]
+
+
+# ---- D2O: the EMA gate at exact equality, one eviction per step (eager and captured paths) --------------------------
+def _d2o_at_unit_similarity(variant: str):
+    """A D2O layer after prefill whose keys are all the unit vector e_0 (every cosine is exactly 1.0), the next
+    step's query/key/value, and the method. ``official_code`` compresses the prompt at its first decode step (many
+    evictions), so that step is run here: the next one is a single eviction as on the paper variant."""
+    from kvbench.methods.d2o import D2O
+
+    g = torch.Generator().manual_seed(5)
+    b, h, n, d, size = 1, 2, 24, 4, 12
+    keys = torch.zeros(b, h, n + 2, d)
+    keys[..., 0] = 1.0
+    values = torch.randn(b, h, n + 2, d, generator=g)
+    queries = torch.randn(b, h, n + 2, d, generator=g)
+    method = D2O(variant=variant, **({"keep_edge_layers": False} if variant == "official_code" else {}))
+    layer = make_layer(keys[:, :, :n].clone(), values[:, :, :n].clone())
+    ctx = prefill_ctx(queries[:, :, :n], layer, size)
+    method.prefill(layer, ctx)
+    method.finish_prefill([layer], ctx)
+    steps = [tuple(t[:, :, j : j + 1] for t in (queries, keys, values)) for j in (n, n + 1)]
+    if variant == "official_code":
+        decode_step(method, layer, *steps.pop(0), size)
+    assert layer.num_entries == size
+    return method, layer, steps[0], size
+
+
+def _static_step(method, layer: KVLayer, step, size: int) -> KVLayer:
+    """The captured path's D2O step (``d2o_ops.static_merge_evict``) on a copy of ``layer`` holding the step's entry:
+    the same accumulated scores as ``decode_step`` gives the eager path."""
+    from kvbench.engine.attention import grouped_attention
+    from kvbench.methods.d2o import static_evict
+
+    query, key, value = step
+    static = copy.deepcopy(layer)
+    static.update(key, value)
+    _, probs = grouped_attention(query, static.keys, static.values, None, query.shape[-1] ** -0.5)
+    static.state["acc"] = static.state["acc"] + probs.sum(3).mean(2)
+    static.valid = torch.ones_like(static.positions, dtype=torch.bool)
+    slots = type("Slots", (), {"keys": static.keys, "values": static.values, "positions": static.positions,
+                               "valid": static.valid, "acc": static.state["acc"],
+                               "capacity": static.capacity.view(-1, 1, 1), "row_state": static.row_state})
+    static_evict(slots, None, method.static_policy(size))
+    return static
+
+
+def _by_position(layer: KVLayer, name: str) -> torch.Tensor:
+    """``(B, H, kept, D)`` of the valid entries of ``layer`` in position order (either layout)."""
+    valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+    out = []
+    for r in range(layer.positions.shape[0]):
+        heads = []
+        for hd in range(layer.positions.shape[1]):
+            order = torch.argsort(layer.positions[r, hd].masked_fill(~valid[r, hd], 1 << 40))[: int(valid[r, hd].sum())]
+            heads.append(getattr(layer, name)[r, hd, order])
+        out.append(torch.stack(heads))
+    return torch.stack(out)
+
+
+def _merged_rows(before: KVLayer, after: torch.Tensor, new_value: torch.Tensor) -> int:
+    """Value rows of ``after`` ``(B, H, k, D)`` that are none of the values held before the step nor its own: rows
+    a merge changed."""
+    held = torch.cat([before.values, new_value], dim=2)
+    return sum(not bool((after[0, hd, j] == held[0, hd]).all(-1).any())
+               for hd in range(after.shape[1]) for j in range(after.shape[2]))
+
+
+@pytest.mark.parametrize("variant", ["paper", "official_code"])
+@pytest.mark.parametrize("at_threshold", [True, False])
+def test_d2o_merges_a_single_eviction_whose_similarity_equals_tau(variant, at_threshold):
+    """The gate is ``m >= tau``: an evicted key whose nearest cosine equals tau exactly (1.0 = 1.0) is merged, on the
+    eager path (``_evict_one``) and on the captured one (``static_merge_evict``); with tau one ulp above, neither
+    merges. Both paths leave the same entries and values."""
+    method, layer, step, size = _d2o_at_unit_similarity(variant)
+    tau = 1.0 if at_threshold else float(torch.nextafter(torch.tensor(1.0, dtype=torch.float64),
+                                                             torch.tensor(2.0, dtype=torch.float64)))
+    if variant == "official_code" and not at_threshold:
+        tau = 1.5  # the code's float32 tau: the next float32 above 1.0 after its EMA is still above 1.0
+    layer.row_state["d2o_tau_key"].fill_(tau)
+    static = _static_step(method, layer, step, size)
+    before = copy.deepcopy(layer)
+    fast = []
+    real = type(method)._evict_one
+    method._evict_one = lambda *a: fast.append(1) or real(method, *a)
+    decode_step(method, layer, *step, size)
+    assert fast == [1], "the eager step took the one-eviction path"
+    assert layer.num_entries == size and int(static.valid.sum(-1).max()) == size
+    eager_values = _by_position(layer, "values")
+    assert torch.equal(_by_position(static, "positions"), layer.positions)
+    assert torch.equal(_by_position(static, "values"), eager_values)
+    assert _merged_rows(before, eager_values, step[2]) == (2 if at_threshold else 0)  # one per head, or none
