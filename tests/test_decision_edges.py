@@ -183,3 +183,121 @@ def test_d2o_merges_a_single_eviction_whose_similarity_equals_tau(variant, at_th
     assert torch.equal(_by_position(static, "positions"), layer.positions)
     assert torch.equal(_by_position(static, "values"), eager_values)
     assert _merged_rows(before, eager_values, step[2]) == (2 if at_threshold else 0)  # one per head, or none
+
+
+# ---- engine/static.py: slot eviction on fixed-capacity layers -------------------------------------------------------
+def test_evict_one_frees_a_slot_only_above_capacity():
+    """A (row, head) holding exactly ``capacity`` valid slots keeps them all; one more, and its lowest key goes. Rows
+    of one batch decide alone (row 0 at capacity, row 1 above it)."""
+    from kvbench.engine.static import evict_one
+
+    valid = torch.tensor([[[True, True, True, False]], [[True, True, True, True]]])
+    key = torch.tensor([[[3.0, 1.0, 2.0, 9.0]], [[3.0, 1.0, 2.0, 4.0]]])
+    evict_one(valid, key, torch.tensor([3, 3]).view(-1, 1, 1))
+    assert valid.tolist() == [[[True, True, True, False]], [[True, False, True, True]]]
+
+
+def _slots(positions, valid, capacity, acc=None):
+    b, h, c = positions.shape
+    return type("Slots", (), {"positions": positions, "valid": valid, "acc": acc,
+                              "capacity": torch.tensor(capacity).view(-1, 1, 1), "keys": torch.zeros(b, h, c, 1)})
+
+
+def test_evict_oldest_takes_the_first_position_after_the_sinks():
+    """Slots out of position order (a freed slot is reused): with 4 sinks the entry at position 4 leaves, never a
+    sink (positions 0-3) nor an empty slot holding an old position."""
+    from kvbench.engine.static import StaticPolicy, evict_oldest
+
+    positions = torch.tensor([[[9, 0, 4, 1, 2, 3, 5, 4, 8]]])
+    valid = torch.tensor([[[True, True, False, True, True, True, True, True, True]]])  # slot 2: freed, position 4
+    evict_oldest(_slots(positions, valid, [7]), None, StaticPolicy(evict=evict_oldest, params=(4,)))
+    assert positions[valid].tolist() == [9, 0, 1, 2, 3, 5, 8]
+
+
+# ---- H2O: the recent window's first entry (decode, eager and captured) ----------------------------------------------
+@pytest.mark.parametrize("lowest_rank", [7, 8])
+def test_h2o_decode_protects_exactly_the_recent_window(lowest_rank):
+    """Budget 10, recent_ratio 0.2: the 2 newest of 11 entries (ranks 9, 10) are protected. The lowest score at
+    rank 8 (just outside the window) is evicted; at rank 7 too. Eager (``H2O.decode``) and captured
+    (``h2o.static_evict``) agree."""
+    from kvbench.methods.base import DecodeContext
+    from kvbench.methods.h2o import H2O, static_evict
+
+    n, cap = 11, 10
+    acc = torch.arange(10.0, 10.0 + n).view(1, 1, n)
+    acc[..., lowest_rank] = 0.0
+    acc[..., 9] = -1.0  # inside the window: lower still, but protected
+    method = H2O(recent_ratio=0.2)
+    layer = _layer(1, 1, n, seed=6)
+    layer.state["acc"] = acc.clone()
+    layer.capacity = torch.tensor([cap])
+    ctx = DecodeContext(layer_idx=0, num_layers=1, num_kv_heads=1, query=torch.zeros(1, 1, 1, 4),
+                        probs=torch.zeros(1, 1, 1, 1, n), capacity=torch.tensor([cap]))
+    method.decode(layer, ctx)
+    expected = [p for p in range(n) if p != lowest_rank]
+    assert _held(layer, 0) == [expected]
+    positions, valid = torch.arange(n).view(1, 1, n).flip(-1).clone(), torch.ones(1, 1, n, dtype=torch.bool)
+    static_evict(_slots(positions, valid, [cap], acc=acc.flip(-1).clone()), None, method.static_policy(cap))
+    assert sorted(positions[valid].tolist()) == expected
+
+
+# ---- engine/graph.py: batch buckets and the ring of read_every columns ----------------------------------------------
+def test_batch_buckets_hold_their_size_exactly():
+    from kvbench.engine.graph import bucket
+
+    assert [bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 64, 65, 128, 129)] == [1, 2, 4, 4, 8, 8, 16, 64, 128, 128, 192]
+
+
+class _Counter:
+    """A model whose next token is its input + 1 (the captured loop's tokens are then 1, 2, 3, ...)."""
+
+    def forward(self, input_ids, position_ids, use_cache, logits_to_keep, past_key_values=None):
+        logits = torch.nn.functional.one_hot(input_ids + 1, 512).float()
+        return type("Out", (), {"logits": logits})
+
+    __call__ = forward
+
+
+class _Session:
+    def __init__(self):
+        self.advanced = []
+
+    def captured_step_function(self):
+        from kvbench.engine.graph import decode_step
+
+        return decode_step
+
+    def captured(self, rows, tensors):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def graph_cache(self):
+        return None
+
+    def advance(self, chunk):
+        self.advanced.append(chunk)
+
+
+@pytest.mark.parametrize("steps", [16, 17, 37])
+def test_captured_loop_reads_every_step_once_in_order_across_the_ring(steps):
+    """``read_every=16``: the host reads full chunks of 16 columns and the last partial one; the ids come in step
+    order (the ring restarts at column 0 for each read) and no step runs past ``steps``."""
+    from kvbench.engine.graph import captured_generate
+
+    session, seen = _Session(), []
+    done = captured_generate(session, _Counter(), torch.tensor([0, 100]), torch.tensor([[7], [7]]), steps,
+                             lambda columns: seen.append(columns) and False, read_every=16)
+    assert done == steps and sum(session.advanced) == steps
+    assert session.advanced == [16] * (steps // 16) + ([steps % 16] if steps % 16 else [])
+    assert [sum((c[r] for c in seen), []) for r in range(2)] == [list(range(1, steps + 1)),
+                                                                 list(range(101, 101 + steps))]
+
+
+def test_captured_loop_stops_at_the_read_where_every_row_ended():
+    from kvbench.engine.graph import captured_generate
+
+    session = _Session()
+    done = captured_generate(session, _Counter(), torch.tensor([0]), torch.tensor([[0]]), 100,
+                             lambda columns: columns[0][-1] >= 20, read_every=16)
+    assert done == 32 and session.advanced == [16, 16]
