@@ -301,3 +301,80 @@ def test_captured_loop_stops_at_the_read_where_every_row_ended():
     done = captured_generate(session, _Counter(), torch.tensor([0]), torch.tensor([[0]]), 100,
                              lambda columns: columns[0][-1] >= 20, read_every=16)
     assert done == 32 and session.advanced == [16, 16]
+
+
+# ---- engine/scores.py: the causal diagonal, the observation window and the window block's edges --------------------
+def _reference_probs(q, k, allowed, key_valid=None):
+    """Softmax ``(B, Hq, n, n)`` in float64 over the keys ``allowed`` ``(n, n)`` marks (and valid keys); rows with no
+    key -> 0."""
+    g = q.shape[1] // k.shape[1]
+    logits = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double().repeat_interleave(g, 1)) * q.shape[-1] ** -0.5
+    mask = allowed.view(1, 1, *allowed.shape)
+    if key_valid is not None:
+        mask = mask & key_valid.view(key_valid.shape[0], 1, 1, -1)
+    return torch.nan_to_num(torch.softmax(logits.masked_fill(~mask, float("-inf")), -1), nan=0.0)
+
+
+def _qk(n=10, b=2, hq=4, hkv=2, d=8, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, hq, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_window_attention_and_column_sums_include_the_diagonal(padded):
+    """Each query attends its own key (``key <= query``); the observation window is exactly the last ``w`` queries;
+    column sums over query chunks of 3 (chunk edges inside the prompt) start at ``query_start`` inclusive."""
+    from kvbench.engine.scores import column_sums, window_attention
+
+    n, w = 10, 4
+    q, k = _qk(n)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    if padded:
+        valid[1, :3] = False
+    key_valid = valid if padded else None
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    ref = _reference_probs(q, k, causal, key_valid) * valid.view(2, 1, n, 1)  # padded queries add nothing
+    torch.testing.assert_close(window_attention(q, k, w, 8**-0.5, key_valid).double(), ref[:, :, n - w :],
+                               rtol=1e-5, atol=1e-6)
+    for start in (0, 5):
+        torch.testing.assert_close(column_sums(q, k, 8**-0.5, key_valid, chunk=3, query_start=start).double(),
+                                   ref[:, :, start:].sum(-2), rtol=1e-5, atol=1e-5)
+
+
+def test_window_causal_column_sums_mask_exactly_the_window_block():
+    """KVCache-Factory's 2024-10 H2O mask: only the last ``w`` x ``w`` block is causal; the query just before the
+    window sees the window's keys, the window's first query does not see the keys after it."""
+    from kvbench.engine.scores import window_causal_column_sums
+
+    n, w = 10, 4
+    q, k = _qk(n)
+    i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    allowed = ~((j > i) & (i >= n - w) & (j >= n - w))
+    ref = _reference_probs(q, k, allowed).sum(-2)
+    torch.testing.assert_close(window_causal_column_sums(q, k, w, 8**-0.5, chunk=3).double(), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---- StreamingLLM: the sinks' last entry and the window's first (unpadded and padded decode) -----------------------
+@pytest.mark.parametrize("padded", [False, True])
+def test_streamingllm_decode_evicts_the_first_entry_after_the_sinks(padded):
+    """Paper variant, 4 sinks, budget 8, 9 entries per row: the entry of rank 4 (the first after the sinks) leaves,
+    ranks 0-3 and the 4 newest stay. A left-padded row (two empty slots) ranks its own entries."""
+    from kvbench.methods.base import DecodeContext
+    from kvbench.methods.streamingllm import StreamingLLM
+
+    n, cap = 11 if padded else 9, 8
+    layer = _layer(2, 2, n, seed=8)
+    if padded:
+        valid = torch.ones(2, 2, n, dtype=torch.bool)
+        valid[0, :, :2] = False
+        valid[1, :, 9:] = False  # row 1: 9 entries, two empty slots at the end (a row that kept fewer)
+        layer.set_valid(valid)
+    method = StreamingLLM(variant="paper", sink_size=4, window=4)
+    ctx = DecodeContext(layer_idx=0, num_layers=1, num_kv_heads=2, query=torch.zeros(2, 2, 1, 4), probs=None,
+                        capacity=torch.tensor([cap, cap]))
+    method.decode(layer, ctx)
+    first = [2, 0] if padded else [0, 0]
+    for r in range(2):
+        held = [first[r] + x for x in (0, 1, 2, 3, 5, 6, 7, 8)]
+        assert _held(layer, r) == [held, held], r
