@@ -378,3 +378,60 @@ def test_streamingllm_decode_evicts_the_first_entry_after_the_sinks(padded):
     for r in range(2):
         held = [first[r] + x for x in (0, 1, 2, 3, 5, 6, 7, 8)]
         assert _held(layer, r) == [held, held], r
+
+
+# ---- Quest: the newest entry's page at a page's last and first slot (eager select, captured static_pages) ----------
+@pytest.mark.parametrize("t", [15, 16, 17, 20, 21])
+def test_quest_captured_pages_equal_the_eager_pages_across_a_page_boundary(t):
+    """Page size 4, budget 12 (3 pages): with t entries the newest entry's page (partial or just completed) is always
+    attended whole, plus the 2 best other pages; the captured step (slots in position order, 24 of them) attends
+    exactly the eager step's entries."""
+    from kvbench.budget import Budget
+    from kvbench.methods.base import DecodeContext
+    from kvbench.methods.quest import Quest, static_pages
+
+    g = torch.Generator().manual_seed(t)
+    k = torch.randn(1, 2, t, 8, generator=g)
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    method = Quest(page_size=4)
+    method.validate(Budget.parse(12))
+    ctx = DecodeContext(layer_idx=2, num_layers=4, num_kv_heads=2, query=q, probs=None, capacity=torch.tensor([12]))
+    index = method.select(make_layer(k, k.clone()), ctx)
+    newest_page = list(range((t - 1) // 4 * 4, t))
+    for h in range(2):
+        chosen = index[0, h].tolist()
+        assert chosen[-len(newest_page):] == newest_page and len(chosen) == 8 + len(newest_page)
+    c = 24
+    keys = torch.zeros(1, 2, c, 8)
+    keys[:, :, :t] = k
+    valid = torch.zeros(1, 2, c, dtype=torch.bool)
+    valid[..., :t] = True
+    slots = type("Slots", (), {"keys": keys, "valid": valid, "query": q})
+    attended = static_pages(slots, method.static_policy(12, layer_idx=2))
+    assert [attended[0, h].nonzero().flatten().tolist() for h in range(2)] == [index[0, h].tolist() for h in range(2)]
+
+
+# ---- OmniKV: the window's prompt rows (none, one, all) and the chosen count (eager and captured choice) -----------
+@pytest.mark.parametrize("reading", ["paper", "official_code"])
+@pytest.mark.parametrize("selector", ["uniform", "exp"])
+@pytest.mark.parametrize(("prompt_rows", "k"), [(0, 6), (1, 6), (1, 1), (3, 6), (3, 2), (3, 4)])
+def test_omnikv_captured_choice_equals_the_eager_choice(reading, selector, prompt_rows, k):
+    """A window of 4 queries of which ``prompt_rows`` are still prompt queries (positions < n = 20; the first
+    generated token's query sits at position n, so a captured step, after the first, has at most 3): the captured
+    mask (``window_choice``) holds exactly the eager step's tokens (``select_by_window``): the window's prompt tokens
+    forced, ``k`` tokens in all (the paper's reading) or ``max(1, k - p) + p`` (the code's)."""
+    from kvbench.methods.omnikv_select import select_by_window, window_choice
+
+    n, w, d = 20, 4, 8
+    g = torch.Generator().manual_seed(prompt_rows * 10 + k)
+    keys = torch.randn(1, 2, n, d, generator=g)
+    recent = torch.randn(1, 4, w, d, generator=g)
+    positions = torch.arange(n - prompt_rows, n - prompt_rows + w).view(1, w)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    args = (recent, positions, keys, d**-0.5, k, selector, reading, inv_freq)
+    eager = sorted(select_by_window(*args)[0].tolist())
+    mask = window_choice(*args)[0]
+    assert mask.nonzero().flatten().tolist() == eager
+    if reading != "paper" or k >= prompt_rows:  # the paper's k counts the window (k < p drops some of it)
+        assert set(range(n - prompt_rows, n)) <= set(eager)
+    assert len(eager) == (k if reading == "paper" else max(1, k - prompt_rows) + prompt_rows)
