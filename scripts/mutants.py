@@ -544,6 +544,14 @@ MUTANTS = [
            "total = torch.clamp(k - prompt_rows, min=1) + prompt_rows",
            "total = torch.clamp(k - prompt_rows, min=0) + prompt_rows",
            EDGES, "captured choice (official reading): no token chosen when k <= p (the code chooses one)"),
+    Mutant("pyramidkv-uniform-edge", "pyramidkv", "kvbench/methods/pyramidkv.py",
+           "if n < 2 * base:",
+           "if n <= 2 * base:",
+           EDGES, "capacity: a prompt of exactly 2 (C - w) tokens kept uniform instead of the pyramid"),
+    Mutant("pyramidkv-largest-remainder", "pyramidkv", "kvbench/methods/pyramidkv.py",
+           "order = torch.argsort(ideal - rounded, descending=True)",
+           "order = torch.argsort(ideal - rounded, descending=False)",
+           EDGES, "capacity (exact): the missing tokens go to the smallest remainders"),
 ]
 
 

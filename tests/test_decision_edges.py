@@ -435,3 +435,23 @@ def test_omnikv_captured_choice_equals_the_eager_choice(reading, selector, promp
     if reading != "paper" or k >= prompt_rows:  # the paper's k counts the window (k < p drops some of it)
         assert set(range(n - prompt_rows, n)) <= set(eager)
     assert len(eager) == (k if reading == "paper" else max(1, k - prompt_rows) + prompt_rows)
+
+
+# ---- PyramidKV: the uniform case's edge and the largest-remainder rounding --------------------------------------------
+@pytest.mark.parametrize("schedule", ["exact", "kvfactory_2406", "kvfactory_2409"])
+def test_pyramid_is_uniform_only_below_twice_the_base(schedule):
+    """C = 128, w = 8 (base 120): a prompt of 239 tokens (< 2 x 120) keeps 120 per layer; one of exactly 240 builds
+    the pyramid (max clamped to n - w = 232)."""
+    from kvbench.methods.pyramidkv import pyramid_capacity
+
+    assert pyramid_capacity(128, 239, 8, 20, 32, schedule) == [120] * 32
+    caps = pyramid_capacity(128, 240, 8, 20, 32, schedule)
+    assert caps[0] == 232 and caps[1] < caps[0]
+
+
+def test_pyramid_exact_rounding_gives_the_largest_remainders_their_token():
+    """base 16, beta 20, 4 layers: linspace(31.2, 0.8) = [31.2, 21.07, 10.93, 0.8] floors to 62 of 64 tokens; the two
+    largest remainders (.93, .8: layers 2 and 3) get the missing two."""
+    from kvbench.methods.pyramidkv import pyramid_capacity
+
+    assert pyramid_capacity(20, 100, 4, 20, 4, "exact") == [31, 21, 11, 1]
