@@ -437,7 +437,7 @@ def test_omnikv_captured_choice_equals_the_eager_choice(reading, selector, promp
     assert len(eager) == (k if reading == "paper" else max(1, k - prompt_rows) + prompt_rows)
 
 
-# ---- PyramidKV: the uniform case's edge and the largest-remainder rounding --------------------------------------------
+# ---- PyramidKV: the uniform case's edge and the largest-remainder rounding ---------------------------------------
 @pytest.mark.parametrize("schedule", ["exact", "kvfactory_2406", "kvfactory_2409"])
 def test_pyramid_is_uniform_only_below_twice_the_base(schedule):
     """C = 128, w = 8 (base 120): a prompt of 239 tokens (< 2 x 120) keeps 120 per layer; one of exactly 240 builds
@@ -455,3 +455,22 @@ def test_pyramid_exact_rounding_gives_the_largest_remainders_their_token():
     from kvbench.methods.pyramidkv import pyramid_capacity
 
     assert pyramid_capacity(20, 100, 4, 20, 4, "exact") == [31, 21, 11, 1]
+
+
+# ---- KVMerger: the device theta search at a room met exactly, and a room every mergeable token fits ----------------
+def test_kvmerger_device_search_meets_a_room_exactly_and_leaves_a_fitting_head_unmerged():
+    """Rooms equal to the set counts some theta gives are met exactly (the search accepts ``count <= room`` and stops
+    at ``count == room``); a room holding every mergeable token (``room >= mergeable``) skips the search: theta 1.0,
+    every mergeable token its own set."""
+    from kvbench.methods.kvmerger_ops import device_sets
+
+    g = torch.Generator().manual_seed(0)
+    kn = torch.nn.functional.normalize(torch.randn(2, 30, 3, generator=g, dtype=torch.float64), dim=-1)
+    mergeable = torch.ones(2, 30, dtype=torch.bool)
+    mergeable[1, :4] = False
+    rooms = device_sets(kn, mergeable, 0.3)[0].sum(-1).tolist()
+    assert rooms[0] < 30 and rooms[1] < 26
+    anchors, theta = device_sets(kn, mergeable, 0.0, rooms)
+    assert anchors.sum(-1).tolist() == rooms and bool((theta < 1.0).all())
+    anchors, theta = device_sets(kn, mergeable, 0.0, [30, 26])
+    assert torch.equal(anchors, mergeable) and theta.tolist() == [1.0, 1.0]
