@@ -573,6 +573,22 @@ MUTANTS = [
            "fits = rooms >= mergeable.sum(-1)",
            "fits = rooms > mergeable.sum(-1)",
            EDGES, "device theta search: a head whose every mergeable token fits its room still searches"),
+    Mutant("d2o-static-sink-edge", "d2o", "kvbench/methods/d2o_ops.py",
+           "protect = (rank < sinks) | (rank >= counts - recent)",
+           "protect = (rank <= sinks) | (rank >= counts - recent)",
+           EDGES, "captured step: the first entry after the sinks protected"),
+    Mutant("d2o-static-recent-edge", "d2o", "kvbench/methods/d2o_ops.py",
+           "protect = (rank < sinks) | (rank >= counts - recent)",
+           "protect = (rank < sinks) | (rank > counts - recent)",
+           EDGES, "captured step: the recent window's oldest entry can be evicted"),
+    Mutant("d2o-eager-sink-edge", "d2o", "kvbench/methods/d2o.py",
+           "victim = layer.state[\"acc\"][..., sinks : layer.num_entries - recent].argmin(-1) + sinks",
+           "victim = layer.state[\"acc\"][..., sinks - 1 : layer.num_entries - recent].argmin(-1) + sinks - 1",
+           EDGES, "decode fast path: the last sink can be evicted"),
+    Mutant("d2o-eager-recent-edge", "d2o", "kvbench/methods/d2o.py",
+           "victim = layer.state[\"acc\"][..., sinks : layer.num_entries - recent].argmin(-1) + sinks",
+           "victim = layer.state[\"acc\"][..., sinks : layer.num_entries - recent + 1].argmin(-1) + sinks",
+           EDGES, "decode fast path: the recent window's oldest entry can be evicted"),
 ]
 
 

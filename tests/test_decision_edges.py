@@ -474,3 +474,25 @@ def test_kvmerger_device_search_meets_a_room_exactly_and_leaves_a_fitting_head_u
     assert anchors.sum(-1).tolist() == rooms and bool((theta < 1.0).all())
     anchors, theta = device_sets(kn, mergeable, 0.0, [30, 26])
     assert torch.equal(anchors, mergeable) and theta.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("lowest", ["first_after_sinks", "last_before_recent"])
+def test_d2o_single_eviction_spares_exactly_the_sinks_and_the_recent_window(lowest):
+    """After the step's entry, ranks below ``d2o_sinks`` and the ``d2o_recent`` newest are protected even with the
+    lowest scores; the victim is the first rank after the sinks, or the last one before the recent window, whichever
+    scores lowest: eager (``_evict_one``) and captured (``static_merge_evict``) alike."""
+    method, layer, step, size = _d2o_at_unit_similarity("paper")
+    sinks, recent = int(layer.row_state["d2o_sinks"][0]), int(layer.row_state["d2o_recent"][0])
+    n = layer.num_entries + 1  # after the step's entry
+    acc = torch.arange(100.0, 100.0 + size).view(1, 1, size).repeat(1, 2, 1)
+    acc[..., sinks - 1] = -9.0  # the last sink
+    acc[..., n - recent] = -9.0  # the recent window's oldest entry after the step (the step's entry scores ~0)
+    victim = sinks if lowest == "first_after_sinks" else n - recent - 1
+    acc[..., victim] = 1.0
+    layer.state["acc"] = acc
+    static = _static_step(method, layer, step, size)
+    positions = layer.positions[0, 0].tolist() + [int(layer.positions.max()) + 1]
+    decode_step(method, layer, *step, size)
+    expected = [p for i, p in enumerate(positions) if i != victim]
+    assert kept_positions(layer) == [expected, expected]
+    assert kept_positions(static) == [expected, expected]
