@@ -589,6 +589,18 @@ MUTANTS = [
            "victim = layer.state[\"acc\"][..., sinks : layer.num_entries - recent].argmin(-1) + sinks",
            "victim = layer.state[\"acc\"][..., sinks : layer.num_entries - recent + 1].argmin(-1) + sinks",
            EDGES, "decode fast path: the recent window's oldest entry can be evicted"),
+    Mutant("h2o-recent-at-most-budget-minus-one", "h2o", "kvbench/methods/h2o.py",
+           "long(), 1, None).clamp(max=capacity - 1)",
+           "long(), 1, None).clamp(max=capacity)",
+           EDGES, "recent window: a ratio near 1 leaves no heavy hitter"),
+    Mutant("h2o-recent-at-least-one", "h2o", "kvbench/methods/h2o.py",
+           "long(), 1, None).clamp(max=capacity - 1)",
+           "long(), 0, None).clamp(max=capacity - 1)",
+           EDGES, "recent window: a small ratio protects no recent token"),
+    Mutant("h2o-recent-half-up", "h2o", "kvbench/methods/h2o.py",
+           "torch.round(capacity * self.recent_ratio)",
+           "torch.floor(capacity * self.recent_ratio + 0.5)",
+           EDGES, "recent window: halves rounded up instead of to even"),
 ]
 
 

@@ -496,3 +496,13 @@ def test_d2o_single_eviction_spares_exactly_the_sinks_and_the_recent_window(lowe
     expected = [p for i, p in enumerate(positions) if i != victim]
     assert kept_positions(layer) == [expected, expected]
     assert kept_positions(static) == [expected, expected]
+
+
+def test_h2o_recent_window_rounds_half_to_even_and_leaves_one_heavy_hitter():
+    """``round(recent_ratio x budget)`` as torch rounds (2.5 -> 2, 1.5 -> 2), at least 1 recent token and at most
+    budget - 1 (one heavy hitter stays): the window every H2O step protects (prefill, decode, captured step)."""
+    from kvbench.methods.h2o import H2O
+
+    assert H2O(recent_ratio=0.25)._recent_host((10, 6)) == [2, 2]
+    assert H2O(recent_ratio=0.9)._recent_host((2, 10, 3)) == [1, 9, 2]
+    assert H2O(recent_ratio=0.01)._recent_host((10, 2)) == [1, 1]
