@@ -170,14 +170,14 @@ def test_cam_parity_with_kvcache_factory(commit):
 def test_snapkv_parity_needs_the_references_selection_form():
     """Top-C over every token with the window at +inf (kvbench's earlier selection) breaks max-pooling's ties
     differently from the reference's top-(C - w) over the past: the fixtures see it."""
-    import kvbench.methods.snapkv as snapkv
+    import kvbench.methods.scorer as scorer  # SnapKV selects through the scorer base
 
-    original = snapkv.keep_top
+    original = scorer.keep_top
     try:
-        snapkv.keep_top = lambda layer, scores, keep, window=0: original(layer, scores, keep)
+        scorer.keep_top = lambda layer, scores, keep, window=0: original(layer, scores, keep)
         bad, total = _mismatches("57e1c26", "snapkv", lambda c: c["reading"] == "snapkv_w8")
     finally:
-        snapkv.keep_top = original
+        scorer.keep_top = original
     assert bad, f"the old selection form matched all {total} cases"
 
 

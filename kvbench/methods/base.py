@@ -24,6 +24,10 @@ three points, one layer at a time (plus one call across layers after prefill) an
   it compresses with those tokens' queries, drops their entries again, and finally calls ``finish_reconstruction``
   (the eviction); the prompt's resident bytes are measured after it. The session needs the model's tokenizer.
 
+A method whose prefill is "score the prompt's entries, keep the top" derives from ``methods.scorer.ScorerMethod`` and
+implements only ``score`` (kvpress's ``ScorerPress``): selection, observation window, granularity, GQA aggregation,
+the compression check and ``prefill_scores`` are the base's.
+
 Methods change the cache only through ``KVLayer.gather`` / ``KVLayer.evict_one`` (real eviction) or by assigning
 new tensors (merging), so resident memory is what the method keeps.
 """
@@ -254,6 +258,7 @@ def check_choice(method: str, key: str, value: str, choices: tuple[str, ...]) ->
 # the cache operations every method shares (keep_top & co.), in their own module; imported here so that methods can
 # take the contract and its helpers from one place
 from kvbench.methods.cache_ops import (  # noqa: E402
+    GRANULARITY,
     attend_with_column_sums,
     expand_to_query_heads,
     host_ints,
@@ -261,11 +266,12 @@ from kvbench.methods.cache_ops import (  # noqa: E402
     keep_top,
     prompt_column_sums,
     real_rank,
+    to_query_heads,
     unpadded_overflow,
 )
 
 __all__ = [
-    "DecodeContext", "Method", "PrefillContext", "attend_with_column_sums", "check_choice", "check_positive",
-    "expand_to_query_heads", "host_ints", "keep_entries", "keep_top", "prompt_column_sums", "real_rank",
-    "unpadded_overflow",
+    "GRANULARITY", "DecodeContext", "Method", "PrefillContext", "attend_with_column_sums", "check_choice",
+    "check_positive", "expand_to_query_heads", "host_ints", "keep_entries", "keep_top", "prompt_column_sums",
+    "real_rank", "to_query_heads", "unpadded_overflow",
 ]

@@ -1,6 +1,7 @@
 """Cache operations shared by the methods: keep the top-scored entries of a layer (real eviction), count what must
-go on an unpadded cache from host integers, rank entries among the valid ones, and the prompt attention's column sums
-(computed with the attention output in one pass where the prompt attention is plain causal attention).
+go on an unpadded cache from host integers, rank entries among the valid ones, the prompt attention's column sums
+(computed with the attention output in one pass where the prompt attention is plain causal attention), and the
+``granularity`` choices with the repeat of a layer's KV heads to the query heads they imply.
 
 The method contract (``methods.base``) re-exports these, so a method imports everything it needs from one place.
 """
@@ -152,6 +153,20 @@ def prompt_column_sums(layer: KVLayer, ctx: PrefillContext, chunk: int) -> torch
     if ctx.column_sums is not None:
         return ctx.column_sums
     return column_sums(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid, chunk=chunk)
+
+
+#: ``kv_head``: one kept set per KV head (DESIGN principle 3); ``query_head``: K/V repeated to the query heads before
+#: selection, one kept set per query head (KVCache-Factory's default and, in 2024, only mode; caches g x larger). The
+#: choices of every method's ``granularity`` field (SnapKV, PyramidKV, H2O, CaM, StreamingLLM through
+#: ``to_query_heads``; D2O and DynamicKV through ``expand_to_query_heads``, their official codes' ``repeat_kv``)
+GRANULARITY = ("kv_head", "query_head")
+
+
+def to_query_heads(layer: KVLayer, ctx: PrefillContext, granularity: str) -> None:
+    """``granularity="query_head"``: repeat the layer's KV heads to the query heads (``KVLayer.repeat_heads``) before
+    anything is scored or selected, as KVCache-Factory's ``repeat_kv`` before ``update_kv``; the cache stays so."""
+    if granularity == "query_head" and ctx.num_heads > layer.keys.shape[1]:
+        layer.repeat_heads(ctx.num_heads // layer.keys.shape[1])
 
 
 def expand_to_query_heads(layer: KVLayer, group: int) -> None:

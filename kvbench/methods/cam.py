@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvbench.engine.scores import aggregate_group, column_sums, window_attention
 from kvbench.errors import ConfigError
 from kvbench.methods.base import (
+    GRANULARITY,
     DecodeContext,
     Method,
     PrefillContext,
@@ -25,9 +26,9 @@ from kvbench.methods.base import (
     host_ints,
     keep_top,
     real_rank,
+    to_query_heads,
 )
 from kvbench.methods.cam_ops import leaving_probabilities, masked_output, merge_values
-from kvbench.methods.snapkv import GRANULARITY, to_query_heads
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer

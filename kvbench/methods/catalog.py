@@ -44,3 +44,23 @@ METHODS = Registry(
 
 #: methods that wrap a scorer; their results are stored under the composed name ``<wrapper>-<scorer>`` (adakv-snapkv)
 WRAPPERS = ("adakv", "chunkkv")
+
+
+def compose_method_name(wrapper: str, inner: str) -> str:
+    """The name a wrapper over ``inner`` runs and is stored under (``adakv-snapkv``), split by ``parse_method_name``."""
+    return f"{wrapper}-{inner}"
+
+
+def parse_method_name(name: str) -> tuple[str | None, str]:
+    """``(wrapper, inner)`` of a method name as configs and stored results spell it, the one place composed names are
+    split: ``adakv-snapkv`` -> ``("adakv", "snapkv")`` (``ScorerWrapper.name``: a wrapper of ``WRAPPERS``, a dash,
+    the scorer's name); a registered name -> ``(None, name)``, whatever it contains; anything else (``snapkv-x``
+    whose head is not a wrapper, ``adakv-`` with no scorer, an unknown name) -> ``(None, name)``, for the registry to
+    refuse or the caller to treat as unknown. The scorer part is split once at the first dash and not looked up: a
+    scorer whose name held a dash stays whole. ThinK's ``think+snapkv`` is not a name (its ``composed`` field)."""
+    if name in METHODS.entries:
+        return None, name
+    wrapper, dash, inner = name.partition("-")
+    if dash and inner and wrapper in WRAPPERS:
+        return wrapper, inner
+    return None, name

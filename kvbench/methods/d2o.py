@@ -14,6 +14,7 @@ import torch
 from kvbench.engine.scores import aggregate_group
 from kvbench.errors import ConfigError
 from kvbench.methods.base import (
+    GRANULARITY,
     DecodeContext,
     Method,
     PrefillContext,
@@ -49,7 +50,6 @@ FEATURES = ("key", "value", "key_value")
 MERGE_WEIGHTS = ("weighted", "average")
 GROUP_AGG = ("mean", "max")
 MERGE_SCORES = ("keep", "add")
-GRANULARITY = ("kv_head", "query_head")
 # what a field left at None resolves to, per variant (paper: the paper's values; official_code: the official README's
 # run, --hh_ratio 0.1 --recent_ratio 0.1 --alpha 0.5 --belta 0.5)
 VARIANT_DEFAULTS = {"paper": {"beta": 0.7, "recent_fraction": 0.25},

@@ -14,6 +14,7 @@ import torch
 from kvbench.engine.scores import aggregate_group, pool1d, window_attention
 from kvbench.errors import ConfigError
 from kvbench.methods.base import (
+    GRANULARITY,
     Method,
     PrefillContext,
     check_choice,
@@ -37,7 +38,6 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
     from kvbench.engine.cache import KVLayer
 
 POOLING = ("avg", "max")
-GRANULARITY = ("kv_head", "query_head")
 VARIANTS = ("paper", "official_code")
 SCHEDULES = ("paper", "official_code")
 SCORE_DTYPES = ("float32", "model")

@@ -13,7 +13,8 @@ import torch
 
 from kvbench.engine.rope import rotate_keys
 from kvbench.errors import NotAvailableError
-from kvbench.methods.base import Method, PrefillContext, check_positive, keep_top
+from kvbench.methods.base import PrefillContext, check_positive
+from kvbench.methods.scorer import ScorerMethod
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -64,7 +65,7 @@ def expected_scores(pre_queries: torch.Tensor, keys: torch.Tensor, values: torch
 
 
 @dataclass
-class ExpectedAttention(Method):
+class ExpectedAttention(ScorerMethod):
     """Prefill-only: per layer and KV head, keep the ``budget`` tokens with the highest expected attention from the
     next ``n_future_positions`` queries (``expected_scores``), the ``n_sink`` first tokens always kept.
 
@@ -83,6 +84,7 @@ class ExpectedAttention(Method):
     epsilon: float = 0.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive(self.name, n_future_positions=self.n_future_positions)
         if self.n_sink < 0 or self.epsilon < 0:
             from kvbench.errors import ConfigError
@@ -96,7 +98,7 @@ class ExpectedAttention(Method):
     def min_budget_reason(self) -> str:
         return f"the {self.n_sink} sink tokens are part of the budget"
 
-    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+    def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         if ctx.rope_inv_freq is None:
             raise NotAvailableError("method 'expected_attention' needs the model's RoPE frequencies to recover the "
                                     "queries before RoPE; this model's rotary embedding is not position-independent "
@@ -119,8 +121,3 @@ class ExpectedAttention(Method):
                 pre[row][:, where], layer.keys[row][:, where], layer.values[row][:, where], inv_freq, ctx.scaling,
                 self.n_future_positions, self.n_sink, self.use_covariance, self.use_vnorm, self.epsilon)
         return scores
-
-    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if ctx.fits():
-            return
-        keep_top(layer, self.prefill_scores(layer, ctx), ctx.capacity)

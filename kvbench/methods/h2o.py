@@ -13,6 +13,7 @@ import torch
 
 from kvbench.engine.scores import aggregate_group, window_attention, window_causal_column_sums
 from kvbench.methods.base import (
+    GRANULARITY,
     DecodeContext,
     Method,
     PrefillContext,
@@ -23,9 +24,9 @@ from kvbench.methods.base import (
     keep_top,
     prompt_column_sums,
     real_rank,
+    to_query_heads,
     unpadded_overflow,
 )
-from kvbench.methods.snapkv import GRANULARITY, to_query_heads
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer

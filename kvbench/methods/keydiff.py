@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.errors import NotAvailableError
-from kvbench.methods.base import Method, PrefillContext, check_choice, check_positive, host_ints, keep_entries, keep_top
+from kvbench.methods.base import PrefillContext, check_choice, check_positive, host_ints, keep_entries
+from kvbench.methods.scorer import ScorerMethod
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -43,7 +44,7 @@ def block_keep(keys: torch.Tensor, keep: int, block: int) -> torch.Tensor:
 
 
 @dataclass
-class KeyDiff(Method):
+class KeyDiff(ScorerMethod):
     """Prefill-only: per layer and KV head, keep the ``budget`` prompt tokens whose keys are least cosine-similar to
     the anchor (the mean of the normalised keys), the paper's eviction score.
 
@@ -53,6 +54,7 @@ class KeyDiff(Method):
     paper's procedure; like BlockPress the prompt's attention is still computed over the whole prompt in one pass).
     ``block_size=128`` is BlockPress's default. ``mode="whole_prompt"``: one scoring over the whole prompt (kvpress's
     ``KeyDiffPress`` alone). No window and no sinks in either mode.
+    ``mode="whole_prompt"`` selects as every scorer does (``ScorerMethod``); the block mode overrides ``prefill``.
     """
 
     name: ClassVar[str] = "keydiff"
@@ -61,13 +63,14 @@ class KeyDiff(Method):
     block_size: int = 128
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_choice(self.name, "mode", self.mode, MODES)
         check_positive(self.name, block_size=self.block_size)
 
     def scores_available(self) -> bool:
         return self.mode == "whole_prompt"
 
-    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+    def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         """The whole-prompt scores (``mode=whole_prompt``). The block mode's kept set comes from a sequence of
         scorings of different sets, not one score per entry: refused (no wrapper can take its place faithfully)."""
         if self.mode != "whole_prompt":
@@ -86,10 +89,10 @@ class KeyDiff(Method):
         return scores
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if ctx.fits():
-            return
         if self.mode == "whole_prompt":
-            keep_top(layer, self._whole_prompt_scores(layer, ctx), ctx.capacity)
+            super().prefill(layer, ctx)
+            return
+        if ctx.fits():
             return
         keys, caps = layer.keys.float(), host_ints(layer, ctx.capacity)
         if ctx.key_valid is None and len(set(caps)) == 1:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvbench.methods.base import Method, PrefillContext, keep_top
+from kvbench.methods.base import PrefillContext
+from kvbench.methods.scorer import ScorerMethod
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -29,20 +30,16 @@ def knorm_scores(keys: torch.Tensor, key_valid: torch.Tensor | None = None) -> t
 
 
 @dataclass
-class KNorm(Method):
+class KNorm(ScorerMethod):
     """Prefill-only: per layer and KV head, keep the ``budget`` prompt tokens whose keys have the smallest L2 norm
     (the paper's finding: low-norm keys draw high attention). No window, no sinks: the score alone decides, as in the
     paper and kvpress (a first token with a small norm is kept because of its norm). Every layer is compressed.
-    Selection is ``torch.topk`` of the scores (kvpress's ``ScorerPress.compress``); kept tokens stay in position order.
+    Selection is ``torch.topk`` of the scores (kvpress's ``ScorerPress.compress``; ``ScorerMethod``); kept tokens stay
+    in position order.
     """
 
     name: ClassVar[str] = "knorm"
     compression: ClassVar[str] = "prefill"
 
-    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+    def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         return knorm_scores(layer.keys, ctx.key_valid)
-
-    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if ctx.fits():
-            return
-        keep_top(layer, self.prefill_scores(layer, ctx), ctx.capacity)

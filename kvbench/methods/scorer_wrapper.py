@@ -18,7 +18,7 @@ import torch
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, PrefillContext, scorer_names
-from kvbench.methods.catalog import WRAPPERS  # noqa: F401  (wrappers by config name, re-exported)
+from kvbench.methods.catalog import WRAPPERS, compose_method_name  # noqa: F401  (WRAPPERS: re-exported)
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -48,7 +48,7 @@ class ScorerWrapper(Method):
         # the scorer's resolved fields: the key changes when a scorer default does
         self.scorer_fields = {f.name: getattr(self._scorer, f.name) for f in dataclasses.fields(self._scorer)
                               if f.init and not f.name.startswith("_")}
-        self.name = f"{base}-{self.scorer}"
+        self.name = compose_method_name(base, self.scorer)
 
     def validate(self, budget: Budget) -> None:
         super().validate(budget)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvbench.engine.scores import aggregate_group, pool1d, window_attention
-from kvbench.methods.base import Method, PrefillContext, check_choice, check_positive, keep_top
+from kvbench.methods.base import PrefillContext, check_choice, check_positive
+from kvbench.methods.scorer import ScorerMethod
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -22,16 +23,6 @@ POOLING = ("max", "avg")
 #: ``*_before_pool``: aggregate the group's window sums, then pool (KVCache-Factory's ``kv_head`` mode since 2026-07,
 #: ``gqa_score_agg``)
 GROUP_AGG = ("mean", "max", "mean_before_pool", "max_before_pool", "sum_before_pool")
-#: ``kv_head``: one kept set per KV head (DESIGN principle 3); ``query_head``: K/V repeated to the query heads before
-#: selection, one kept set per query head (KVCache-Factory's default and, in 2024, only mode; caches g x larger)
-GRANULARITY = ("kv_head", "query_head")
-
-
-def to_query_heads(layer: KVLayer, ctx: PrefillContext, granularity: str) -> None:
-    """``granularity="query_head"``: repeat the layer's KV heads to the query heads (``KVLayer.repeat_heads``) before
-    anything is scored or selected, as KVCache-Factory's ``repeat_kv`` before ``update_kv``; the cache stays so."""
-    if granularity == "query_head" and ctx.num_heads > layer.keys.shape[1]:
-        layer.repeat_heads(ctx.num_heads // layer.keys.shape[1])
 
 
 def snap_scores(
@@ -57,7 +48,7 @@ def snap_scores(
 
 
 @dataclass
-class SnapKV(Method):
+class SnapKV(ScorerMethod):
     """Prefill-only selection: per head, keep the ``budget - window`` prompt tokens with the highest pooled
     attention from the last ``window`` queries, plus those ``window`` tokens.
 
@@ -86,30 +77,12 @@ class SnapKV(Method):
         check_positive(self.name, window=self.window, kernel=self.kernel)
         check_choice(self.name, "pooling", self.pooling, POOLING)
         check_choice(self.name, "group_agg", self.group_agg, GROUP_AGG)
-        check_choice(self.name, "granularity", self.granularity, GRANULARITY)
+        super().__post_init__()  # granularity
 
-    def min_budget_tokens(self) -> int:
-        return self.window + 1
+    def observation_window(self) -> int:
+        return self.window
 
-    def min_budget_reason(self) -> str:
-        return f"the observation window of {self.window} tokens is part of the budget"
-
-    def layer_capacity(self, ctx: PrefillContext) -> torch.Tensor:
-        """Tokens this layer keeps per row (window included): the budget, the same in every layer."""
-        return ctx.capacity
-
-    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+    def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         """``snap_scores``: the window (+inf), the pooled window attention before it (the layer's heads after
-        ``granularity``); a prompt no longer than the window is all window."""
-        to_query_heads(layer, ctx, self.granularity)
-        if ctx.n <= self.window:
-            scores = torch.full(layer.keys.shape[:3], float("inf"), device=layer.keys.device)
-            return scores if ctx.key_valid is None else scores.masked_fill(~ctx.key_valid[:, None], float("-inf"))
+        ``granularity``; ``ScorerMethod.prefill_scores`` gives a prompt no longer than the window all +inf)."""
         return snap_scores(layer, ctx, self.window, self.kernel, self.pooling, self.group_agg)
-
-    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        to_query_heads(layer, ctx, self.granularity)
-        if ctx.n <= self.window or ctx.fits():
-            return
-        scores = self.prefill_scores(layer, ctx)
-        keep_top(layer, scores, self.layer_capacity(ctx), window=self.window)

@@ -13,6 +13,7 @@ import torch
 
 from kvbench.errors import ConfigError
 from kvbench.methods.base import (
+    GRANULARITY,
     DecodeContext,
     Method,
     PrefillContext,
@@ -20,9 +21,9 @@ from kvbench.methods.base import (
     check_positive,
     keep_top,
     real_rank,
+    to_query_heads,
     unpadded_overflow,
 )
-from kvbench.methods.snapkv import GRANULARITY, to_query_heads
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvbench.engine.scores import window_attention
-from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, keep_top
+from kvbench.methods.base import DecodeContext, PrefillContext, check_choice, keep_top
+from kvbench.methods.scorer import ScorerMethod
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -34,7 +35,7 @@ def last_query_scores(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
 
 
 @dataclass
-class TOVA(Method):
+class TOVA(ScorerMethod):
     """Token eviction by the current query's attention, averaged over all query heads, one kept set per layer shared
     by every head (the official code averages ``attn_weights[:, :, -1, :]`` over heads and gathers every KV head
     with the same indices).
@@ -43,7 +44,8 @@ class TOVA(Method):
     prefill keep the ``budget`` tokens the last prompt query attends to most (itself included, nothing forced); then
     at every decode step, once the cache holds ``budget + 1`` entries, evict the one the step's query attends to
     least (the new token can go). ``variant="kvpress_prefill"``: kvpress's ``TOVAPress``, prefill only: the last
-    prompt query's attention over the other tokens, the last token always kept, no eviction while decoding.
+    prompt query's attention over the other tokens, the last token always kept, no eviction while decoding. The
+    prefill selection of both is ``ScorerMethod``'s (``torch.topk`` of ``score``, no window).
     """
 
     name: ClassVar[str] = "tova"
@@ -52,20 +54,16 @@ class TOVA(Method):
     variant: str = "paper"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_choice(self.name, "variant", self.variant, VARIANTS)
         self.needs_decode_probs = self.variant == "paper"  # the prefill reading keeps the fast decode path
 
-    def prefill_scores(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
+    def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         scores = last_query_scores(ctx.queries, layer.keys, ctx.scaling, ctx.key_valid)
         if self.variant == "kvpress_prefill":  # the last token is kept whatever its score
             scores = scores.clone()
             scores[..., -1] = float("inf")
         return scores
-
-    def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
-        if ctx.fits():
-            return
-        keep_top(layer, self.prefill_scores(layer, ctx), ctx.capacity)
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper" or ctx.probs is None:

@@ -49,10 +49,11 @@ def job_dirs(results_dir: str | Path) -> list[Path]:
 @lru_cache(maxsize=64)
 def method_key_omitted(name: str) -> dict[str, Any]:
     """``Method.key_omitted`` of a registered method (``adakv-snapkv``: adakv's); empty when unknown."""
-    from kvbench.methods import METHODS
+    from kvbench.methods.catalog import METHODS, parse_method_name
 
+    wrapper, inner = parse_method_name(name)
     try:
-        return dict(METHODS.get_class(name.partition("-")[0] if name not in METHODS.entries else name).key_omitted)
+        return dict(METHODS.get_class(wrapper or inner).key_omitted)
     except Exception:  # a pending or unknown method
         return {}
 
@@ -61,17 +62,15 @@ def method_defaults(name: str) -> dict[str, Any] | None:
     """The default fields of a registered method (None when kvbench does not implement it), as a default instance
     holds them: a field whose default ``None`` means "by variant" (DynamicKV's ``schedule``, D2O's ``beta``) is
     compared with what it resolves to, as a run's key records the resolved value."""
-    from kvbench.methods import METHODS
-    from kvbench.methods.catalog import WRAPPERS
+    from kvbench.methods.catalog import METHODS, parse_method_name
 
-    base, _, scorer = name.partition("-")
-    composed = name not in METHODS.entries and base in WRAPPERS and bool(scorer)  # adakv-snapkv
+    wrapper, inner = parse_method_name(name)  # adakv-snapkv: ("adakv", "snapkv")
     try:
-        cls = METHODS.get_class(base if composed else name)
+        cls = METHODS.get_class(wrapper or inner)
     except Exception:  # a pending or unknown method: no defaults to compare with
         return None
     try:
-        instance = cls(scorer=scorer) if composed else cls()
+        instance = cls(scorer=inner) if wrapper else cls()
     except Exception:  # a method without defaults for every field: the declared ones
         instance = None
     out = {}
