@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 JOB = ["model=tiny-random", "task=passkey", "task.context_lengths=[256]", "task.depths=[10,50,90]", "method=h2o",
        "budget=64", "task.max_new_tokens=6"]  # 3 samples
 
@@ -217,8 +219,6 @@ def test_the_write_probe_names_a_read_only_or_full_results_directory(tmp_path, m
     import errno
     import tempfile
 
-    import pytest
-
     from kvbench.errors import DataError
     from kvbench.store import check_results_writable
 
@@ -312,3 +312,27 @@ def test_missing_task_data_without_the_hub_is_one_line_before_anything(tmp_path)
     assert "task.data_dir" in proc.stderr and "Retry" not in proc.stderr + proc.stdout
     assert time.time() - started < 30
     assert not results.exists(), sorted(results.rglob("*"))
+
+
+HUB_TASKS = [("leval", "LEval/Exam/coursera.jsonl of the hub dataset L4NLP/LEval"),
+             ("zeroscrolls", "gov_report.zip of the hub dataset tau/zero_scrolls"),
+             ("infinitebench", "passkey.jsonl of the hub dataset xinrongzhang2022/InfiniteBench"),
+             ("pg19", "the PG-19 test split from the hub dataset emozilla/pg19")]
+
+
+@pytest.mark.parametrize(("task", "what"), HUB_TASKS, ids=[t for t, _ in HUB_TASKS])
+def test_the_other_hub_tasks_without_the_hub_are_one_line_before_anything(tmp_path, task, what):
+    """LEval, ZeroSCROLLS, InfiniteBench and PG-19 without local files and without the hub (an endpoint that refuses
+    connections, an empty hub cache): kvbench's one line naming the task and task.data_dir, exit 2, at once (no hub
+    retries), before Hydra and the model; nothing is created under the results root or in the caches."""
+    import time
+
+    results = tmp_path / "results"
+    started = time.time()
+    proc = _run(results, ["model=tiny-random", f"task={task}"], timeout=120, KVBENCH_FAULT="model_load:1",
+                KVBENCH_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_CACHE=str(tmp_path / "hub"),
+                HF_ENDPOINT="http://127.0.0.1:9")
+    _assert_one_line_refusal(proc, f"task {task!r}: could not download {what} (127.0.0.1:9 cannot be reached", results)
+    assert "task.data_dir" in proc.stderr and "Retry" not in proc.stderr + proc.stdout
+    assert time.time() - started < 30
+    assert sorted(tmp_path.iterdir()) == [], sorted(tmp_path.rglob("*"))
