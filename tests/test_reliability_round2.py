@@ -336,3 +336,48 @@ def test_the_other_hub_tasks_without_the_hub_are_one_line_before_anything(tmp_pa
     assert "task.data_dir" in proc.stderr and "Retry" not in proc.stderr + proc.stdout
     assert time.time() - started < 30
     assert sorted(tmp_path.iterdir()) == [], sorted(tmp_path.rglob("*"))
+
+
+# ---- 7. the kill loop at sweep scale -------------------------------------------------------------------------------
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_resume_loop.py"
+
+
+def _kill_loop():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kill_resume_loop", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kill_loop_kills_the_whole_process_group(tmp_path):
+    """A round's SIGKILL takes the process and everything it started (a sweep's submitit controller and workers):
+    here a shell and its background sleep; none survives, and the round says so."""
+    loop = _kill_loop()
+    child = tmp_path / "child.pid"
+    result = loop.run(["sh", "-c", f"sleep 120 & echo $! > {child}; wait"], tmp_path / "results", kill_after=2)
+    assert result["killed"] and result["returncode"] == -9 and result["survivors"] == 0, result
+    pid = int(child.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the child survived the kill"
+    assert loop.command(["task=passkey"], 2)[3:7] == ["-m", "launcher=local", "hydra.sweeper.max_workers=2",
+                                                      "hydra.sweeper.jobs_per_worker=1"]
+    assert "-m" not in loop.command(["task=passkey"], None)[3:]
+
+
+@pytest.mark.slow
+def test_the_kill_loop_on_a_two_worker_sweep(tmp_path):
+    """scripts/kill_resume_loop.py --sweep --workers 2 --kills 1 on 2 tiny jobs end to end (minutes on 2 busy cores):
+    the killed sweep resumed equals a clean sweep job by job, nothing survives the kill, store verify is clean."""
+    out = tmp_path / "loop.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--sweep", "--workers", "2", "--kills", "1", "--out", str(out),
+                           "--", "model=tiny-random", "task=passkey", "task.context_lengths=[256]",
+                           "task.depths=[10,50]", "method=h2o,snapkv", "budget=64", "task.max_new_tokens=6"],
+                          capture_output=True, text=True, timeout=1500, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    assert summary["sweep"] and summary["workers"] == 2 and len(summary["jobs"]) == 2
+    assert summary["killed_rounds"] == 1 and summary["identical"] and all(summary["checks"].values())
+    assert summary["checks"]["no_process_survived_a_kill"] and summary["checks"]["same_records"]
+    assert "1 kills of 2 jobs of a 2-worker sweep" in proc.stdout.splitlines()[-1]
