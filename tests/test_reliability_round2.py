@@ -381,3 +381,47 @@ def test_the_kill_loop_on_a_two_worker_sweep(tmp_path):
     assert summary["killed_rounds"] == 1 and summary["identical"] and all(summary["checks"].values())
     assert summary["checks"]["no_process_survived_a_kill"] and summary["checks"]["same_records"]
     assert "1 kills of 2 jobs of a 2-worker sweep" in proc.stdout.splitlines()[-1]
+
+
+# ---- the task's data is read once per run ---------------------------------------------------------------------------
+COUNT_PREPARE = """
+import sys
+from kvbench.tasks.base import Task
+calls = []
+Task.prepare_data = lambda self: calls.append(id(self))
+import runpy
+sys.argv = ["kvbench.run", *sys.argv[1:]]
+try:
+    runpy.run_module("kvbench.run", run_name="__main__", alter_sys=True)  # as python -m kvbench.run
+finally:
+    print(f"prepare_data calls: {len(calls)}")
+"""
+
+
+def test_one_run_prepares_the_task_data_once(tmp_path):
+    """kvbench.run's preflight prepares the job's data before Hydra (so missing data is refused before anything);
+    the job it runs next uses that task instead of reading the data again (a passkey job: Task.prepare_data counted)."""
+    proc = subprocess.run([sys.executable, "-c", COUNT_PREPARE, *JOB, "print_table=false"], capture_output=True,
+                          text=True, timeout=300, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "prepare_data calls: 1" in proc.stdout.splitlines(), proc.stdout[-2000:]
+    assert json.loads((_job_dir(tmp_path) / "scores.json").read_text())["n_samples"] == 3
+
+
+def test_run_job_prepares_again_for_another_task_config(tmp_path, monkeypatch):
+    """run_job takes the caller's prepared task only for the same job and task config."""
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR
+    from kvbench.jobs import plan_job, run_job
+    from kvbench.jobs.runner import same_task
+    from kvbench.tasks.base import Task
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*JOB, "print_table=false", f"paths.results_dir={tmp_path}"])
+        other = compose(config_name="config", overrides=[*JOB, "task.seed=7", f"paths.results_dir={tmp_path}"])
+    assert same_task(plan_job(cfg), plan_job(cfg)) and not same_task(plan_job(other), plan_job(cfg))
+    calls = []
+    monkeypatch.setattr(Task, "prepare_data", lambda self: calls.append(id(self)))
+    run_job(cfg, prepared=plan_job(other))
+    assert len(calls) == 1  # not the other job's task: prepared here
