@@ -1,11 +1,17 @@
 """The Hugging Face hub, asked before a download: whether it can be reached at all, so that a machine without it gets
-kvbench's one-line refusal at once instead of huggingface_hub's retries (about 30 s of warnings) and then the line."""
+kvbench's one-line refusal at once instead of huggingface_hub's retries (about 30 s of warnings) and then the line.
+
+The task loaders that fetch official files from a hub dataset (LongBench, LEval, ZeroSCROLLS, InfiniteBench, PG-19)
+share the refusal's wording here: ``task 't': could not download <what> (<why>); <how to give local files>``."""
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from urllib.parse import urlparse
+
+from kvbench.errors import DataError
 
 _PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
@@ -27,3 +33,44 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
     except OSError as exc:
         return f"{host}:{port} cannot be reached: {exc.strerror or exc}"
     return None
+
+
+def refusal(task: str, what: str, reason: str, remedy: str) -> DataError:
+    """The one line of a download that cannot happen: ``task 't': could not download <what> (<reason>); <remedy>``,
+    where ``remedy`` says how to give the files locally (``task.data_dir``)."""
+    return DataError(f"task {task!r}: could not download {what} ({reason}); {remedy}")
+
+
+def failure(exc: BaseException) -> str:
+    """An exception of the hub client as a short reason on one line (its messages span lines)."""
+    reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+    return f"{type(exc).__name__}: {reason}"
+
+
+def require_hub(task: str, what: str, remedy: str) -> None:
+    """Refuse at once (``refusal``) when the hub cannot be reached, before any network call of the hub client."""
+    reason = hub_unreachable()
+    if reason:
+        raise refusal(task, what, reason, remedy)
+
+
+def dataset_file(task: str, repo: str, filename: str, remedy: str) -> Path:
+    """``filename`` of the hub dataset ``repo``: from the hub cache when it is there (no network: offline, the hub
+    client would retry for ~30 s before falling back to it), else downloaded once after ``require_hub``. Any failure
+    is one ``refusal`` line."""
+    import huggingface_hub
+
+    request = {"repo_id": repo, "filename": filename, "repo_type": "dataset"}
+    try:
+        return Path(huggingface_hub.hf_hub_download(**request, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (or an unreadable cache): download
+        pass
+    what = f"{filename} of the hub dataset {repo}"
+    require_hub(task, what, remedy)
+    try:
+        return Path(huggingface_hub.hf_hub_download(**request))
+    except Exception as exc:  # offline, gated, renamed: all mean "use a local copy"
+        raise refusal(task, what, failure(exc), remedy) from None
+
+
+__all__ = ["dataset_file", "failure", "hub_unreachable", "refusal", "require_hub"]

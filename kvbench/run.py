@@ -38,7 +38,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         print(format_listing([plan_config(cfg)]))
         return None
     try:
-        scores = run_job(cfg)
+        scores = run_job(cfg, prepared=_take_prepared())
     except KVBenchError as exc:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             log.error("job failed: %s", exc)
@@ -89,6 +89,15 @@ def main() -> None:
         sys.exit(sweeper.sweep_exit_code())
 
 
+#: the job kvbench.run's preflight planned and prepared (its task holds its data), for the run after it in this process
+_PREPARED: list = []
+
+
+def _take_prepared() -> object | None:
+    """The preflight's job, once (run_job reads the task's data from it instead of preparing it again)."""
+    return _PREPARED.pop() if _PREPARED else None
+
+
 def _preflight(argv: list[str]) -> None:
     """One job's checks before Hydra creates anything (its log directory lives under the results root): compose the
     config as Hydra will, refuse a results directory that cannot be written, then plan the job (every value checked,
@@ -120,6 +129,7 @@ def _preflight(argv: list[str]) -> None:
     if jobdir.finished_scores(cfg.limit) is not None:
         return  # skipped by the run, which says so
     refuse_before_loading(job, jobdir)  # the job runner's own refusals, here before Hydra creates anything
+    _PREPARED[:] = [job]  # its data is read: run_job takes the task from here instead of reading it twice
 
 
 def _is_sweep(argv: list[str]) -> bool:

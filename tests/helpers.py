@@ -224,3 +224,29 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [3 + b % 250 for b in text.encode("utf-8")]
+
+
+UNREACHABLE = "huggingface.co:443 cannot be reached: the test's reason"
+
+
+def hub_without_network(monkeypatch) -> list[tuple[str, tuple, dict]]:
+    """A machine without the hub: ``kvbench.hub.hub_unreachable`` gives ``UNREACHABLE``; huggingface_hub's cache
+    lookups (``local_files_only=True``) find nothing, and every network call (download, listing) is recorded in the
+    returned list, which a loader that asks first leaves empty, and fails."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    network: list[tuple[str, tuple, dict]] = []
+
+    def fake(name: str):
+        def call(*args, **kwargs):
+            if kwargs.get("local_files_only"):
+                raise LocalEntryNotFoundError("not in the test's hub cache")
+            network.append((name, args, kwargs))
+            raise OSError(f"the test forbids the network ({name})")
+        return call
+
+    for name in ("hf_hub_download", "list_repo_files", "snapshot_download"):
+        monkeypatch.setattr(huggingface_hub, name, fake(name))
+    monkeypatch.setattr("kvbench.hub.hub_unreachable", lambda *a, **k: UNREACHABLE)
+    return network

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 JOB = ["model=tiny-random", "task=passkey", "task.context_lengths=[256]", "task.depths=[10,50,90]", "method=h2o",
        "budget=64", "task.max_new_tokens=6"]  # 3 samples
 
@@ -217,8 +219,6 @@ def test_the_write_probe_names_a_read_only_or_full_results_directory(tmp_path, m
     import errno
     import tempfile
 
-    import pytest
-
     from kvbench.errors import DataError
     from kvbench.store import check_results_writable
 
@@ -312,3 +312,116 @@ def test_missing_task_data_without_the_hub_is_one_line_before_anything(tmp_path)
     assert "task.data_dir" in proc.stderr and "Retry" not in proc.stderr + proc.stdout
     assert time.time() - started < 30
     assert not results.exists(), sorted(results.rglob("*"))
+
+
+HUB_TASKS = [("leval", "LEval/Exam/coursera.jsonl of the hub dataset L4NLP/LEval"),
+             ("zeroscrolls", "gov_report.zip of the hub dataset tau/zero_scrolls"),
+             ("infinitebench", "passkey.jsonl of the hub dataset xinrongzhang2022/InfiniteBench"),
+             ("pg19", "the PG-19 test split from the hub dataset emozilla/pg19")]
+
+
+@pytest.mark.parametrize(("task", "what"), HUB_TASKS, ids=[t for t, _ in HUB_TASKS])
+def test_the_other_hub_tasks_without_the_hub_are_one_line_before_anything(tmp_path, task, what):
+    """LEval, ZeroSCROLLS, InfiniteBench and PG-19 without local files and without the hub (an endpoint that refuses
+    connections, an empty hub cache): kvbench's one line naming the task and task.data_dir, exit 2, at once (no hub
+    retries), before Hydra and the model; nothing is created under the results root or in the caches."""
+    import time
+
+    results = tmp_path / "results"
+    started = time.time()
+    proc = _run(results, ["model=tiny-random", f"task={task}"], timeout=120, KVBENCH_FAULT="model_load:1",
+                KVBENCH_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_CACHE=str(tmp_path / "hub"),
+                HF_ENDPOINT="http://127.0.0.1:9")
+    _assert_one_line_refusal(proc, f"task {task!r}: could not download {what} (127.0.0.1:9 cannot be reached", results)
+    assert "task.data_dir" in proc.stderr and "Retry" not in proc.stderr + proc.stdout
+    assert time.time() - started < 30
+    assert sorted(tmp_path.iterdir()) == [], sorted(tmp_path.rglob("*"))
+
+
+# ---- 7. the kill loop at sweep scale -------------------------------------------------------------------------------
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_resume_loop.py"
+
+
+def _kill_loop():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kill_resume_loop", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kill_loop_kills_the_whole_process_group(tmp_path):
+    """A round's SIGKILL takes the process and everything it started (a sweep's submitit controller and workers):
+    here a shell and its background sleep; none survives, and the round says so."""
+    loop = _kill_loop()
+    child = tmp_path / "child.pid"
+    result = loop.run(["sh", "-c", f"sleep 120 & echo $! > {child}; wait"], tmp_path / "results", kill_after=2)
+    assert result["killed"] and result["returncode"] == -9 and result["survivors"] == 0, result
+    pid = int(child.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the child survived the kill"
+    assert loop.command(["task=passkey"], 2)[3:7] == ["-m", "launcher=local", "hydra.sweeper.max_workers=2",
+                                                      "hydra.sweeper.jobs_per_worker=1"]
+    assert "-m" not in loop.command(["task=passkey"], None)[3:]
+
+
+@pytest.mark.slow
+def test_the_kill_loop_on_a_two_worker_sweep(tmp_path):
+    """scripts/kill_resume_loop.py --sweep --workers 2 --kills 1 on 2 tiny jobs end to end (minutes on 2 busy cores):
+    the killed sweep resumed equals a clean sweep job by job, nothing survives the kill, store verify is clean."""
+    out = tmp_path / "loop.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--sweep", "--workers", "2", "--kills", "1", "--out", str(out),
+                           "--", "model=tiny-random", "task=passkey", "task.context_lengths=[256]",
+                           "task.depths=[10,50]", "method=h2o,snapkv", "budget=64", "task.max_new_tokens=6"],
+                          capture_output=True, text=True, timeout=1500, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(out.read_text())
+    assert summary["sweep"] and summary["workers"] == 2 and len(summary["jobs"]) == 2
+    assert summary["killed_rounds"] == 1 and summary["identical"] and all(summary["checks"].values())
+    assert summary["checks"]["no_process_survived_a_kill"] and summary["checks"]["same_records"]
+    assert "1 kills of 2 jobs of a 2-worker sweep" in proc.stdout.splitlines()[-1]
+
+
+# ---- the task's data is read once per run ---------------------------------------------------------------------------
+COUNT_PREPARE = """
+import sys
+from kvbench.tasks.base import Task
+calls = []
+Task.prepare_data = lambda self: calls.append(id(self))
+import runpy
+sys.argv = ["kvbench.run", *sys.argv[1:]]
+try:
+    runpy.run_module("kvbench.run", run_name="__main__", alter_sys=True)  # as python -m kvbench.run
+finally:
+    print(f"prepare_data calls: {len(calls)}")
+"""
+
+
+def test_one_run_prepares_the_task_data_once(tmp_path):
+    """kvbench.run's preflight prepares the job's data before Hydra (so missing data is refused before anything);
+    the job it runs next uses that task instead of reading the data again (a passkey job: Task.prepare_data counted)."""
+    proc = subprocess.run([sys.executable, "-c", COUNT_PREPARE, *JOB, "print_table=false"], capture_output=True,
+                          text=True, timeout=300, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "prepare_data calls: 1" in proc.stdout.splitlines(), proc.stdout[-2000:]
+    assert json.loads((_job_dir(tmp_path) / "scores.json").read_text())["n_samples"] == 3
+
+
+def test_run_job_prepares_again_for_another_task_config(tmp_path, monkeypatch):
+    """run_job takes the caller's prepared task only for the same job and task config."""
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.config import CONF_DIR
+    from kvbench.jobs import plan_job, run_job
+    from kvbench.jobs.runner import same_task
+    from kvbench.tasks.base import Task
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*JOB, "print_table=false", f"paths.results_dir={tmp_path}"])
+        other = compose(config_name="config", overrides=[*JOB, "task.seed=7", f"paths.results_dir={tmp_path}"])
+    assert same_task(plan_job(cfg), plan_job(cfg)) and not same_task(plan_job(other), plan_job(cfg))
+    calls = []
+    monkeypatch.setattr(Task, "prepare_data", lambda self: calls.append(id(self)))
+    run_job(cfg, prepared=plan_job(other))
+    assert len(calls) == 1  # not the other job's task: prepared here

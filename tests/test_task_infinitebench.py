@@ -389,6 +389,7 @@ class TestData:
             raise OSError("We couldn't connect to 'https://huggingface.co'\nto load this file.")
 
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+        monkeypatch.setattr("kvbench.hub.hub_unreachable", lambda: None)  # reachable, the download itself fails
         task = InfiniteBenchTask(datasets=["passkey"])
         task.validate()  # nothing is downloaded before the model loads
         with pytest.raises(DataError) as err:
@@ -396,6 +397,20 @@ class TestData:
         message = str(err.value)
         assert "\n" not in message and "task.data_dir" in message and "xinrongzhang2022/InfiniteBench" in message
         assert [c.get("local_files_only", False) for c in calls] == [True, False]  # the cache first
+
+    def test_unreachable_hub_is_one_line_without_a_network_call(self, monkeypatch):
+        from helpers import UNREACHABLE, hub_without_network
+
+        network = hub_without_network(monkeypatch)
+        task = InfiniteBenchTask(datasets=["passkey"])
+        task.validate()
+        with pytest.raises(DataError) as err:
+            task.prepare_data()
+        assert str(err.value) == (
+            "task 'infinitebench': could not download passkey.jsonl of the hub dataset xinrongzhang2022/InfiniteBench "
+            f"({UNREACHABLE}); download the official files (InfiniteBench scripts/download_dataset.sh) and set "
+            "task.data_dir=<directory with the .jsonl files>")
+        assert network == []  # refused before huggingface_hub's retries
 
     def test_download_reads_the_hub_cache_file(self, monkeypatch):
         import huggingface_hub

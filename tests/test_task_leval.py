@@ -374,12 +374,28 @@ class TestData:
             raise OSError("We couldn't connect to 'https://huggingface.co'\nto load this file.")
 
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+        monkeypatch.setattr("kvbench.hub.hub_unreachable", lambda: None)  # reachable, the download itself fails
         task = LEvalTask(datasets=["quality"])
         task.validate()  # nothing is fetched before the model loads
         with pytest.raises(DataError) as err:
             task.prepare_data()
         message = str(err.value)
         assert "\n" not in message and "task.data_dir" in message and "L4NLP/LEval" in message
+        assert "OSError: We couldn't connect" in message
+
+    def test_unreachable_hub_is_one_line_without_a_network_call(self, monkeypatch):
+        from helpers import UNREACHABLE, hub_without_network
+
+        network = hub_without_network(monkeypatch)
+        task = LEvalTask(datasets=["quality"])
+        task.validate()
+        with pytest.raises(DataError) as err:
+            task.prepare_data()
+        assert str(err.value) == (
+            "task 'leval': could not download LEval/Exam/quality.jsonl of the hub dataset L4NLP/LEval "
+            f"({UNREACHABLE}); put the official LEval .jsonl files in a directory and set "
+            "task.data_dir=<that directory>")
+        assert network == []  # refused before huggingface_hub's retries
 
 
 def test_aggregate_equals_score_records():

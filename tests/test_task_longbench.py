@@ -424,6 +424,7 @@ class TestData:
 
         monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+        monkeypatch.setattr("kvbench.hub.hub_unreachable", lambda: None)  # reachable, the download itself fails
         task = LongBenchTask()
         task.validate()  # nothing is downloaded before the model loads
         with pytest.raises(DataError) as err:
@@ -431,6 +432,20 @@ class TestData:
         message = str(err.value)
         assert "\n" not in message and "task.data_dir" in message and "THUDM/LongBench" in message
         assert not (tmp_path / "data" / "longbench").exists()
+
+    def test_unreachable_hub_is_one_line_without_a_network_call(self, tmp_path, monkeypatch):
+        from helpers import UNREACHABLE, hub_without_network
+
+        monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+        network = hub_without_network(monkeypatch)
+        task = LongBenchTask()
+        task.validate()
+        with pytest.raises(DataError) as err:
+            task.prepare_data()
+        assert str(err.value) == (
+            f"task 'longbench': could not download data.zip of the hub dataset THUDM/LongBench ({UNREACHABLE}); "
+            "unzip the official data.zip somewhere and set task.data_dir=<directory with the .jsonl files>")
+        assert network == [] and not (tmp_path / "data" / "longbench").exists()
 
     def test_download_unpacks_once(self, tmp_path, monkeypatch):
         import huggingface_hub

@@ -154,13 +154,29 @@ def test_offline_hub_is_one_clear_line(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co'\nto load this file.")
 
     monkeypatch.setattr(huggingface_hub, "list_repo_files", offline)
+    monkeypatch.setattr("kvbench.hub.hub_unreachable", lambda: None)  # reachable, the listing itself fails
     task = PG19Task()
     task.validate()  # nothing is downloaded before the model loads
     with pytest.raises(DataError) as err:
         task.prepare_data()
     message = str(err.value)
     assert "\n" not in message and "task.data_dir" in message and "task.source=essays" in message
-    assert "emozilla/pg19" in message
+    assert "emozilla/pg19" in message and "OSError: We couldn't connect" in message
+
+
+def test_unreachable_hub_is_one_line_without_a_network_call(monkeypatch):
+    from helpers import UNREACHABLE, hub_without_network
+
+    network = hub_without_network(monkeypatch)
+    task = PG19Task()
+    task.validate()
+    with pytest.raises(DataError) as err:
+        task.prepare_data()
+    assert str(err.value) == (
+        f"task 'pg19': could not download the PG-19 test split from the hub dataset emozilla/pg19 ({UNREACHABLE}); "
+        "put the PG-19 test books (<book_id>.txt files or parquet files) in a directory and set "
+        "task.data_dir=<directory>, or use the offline text: task.source=essays")
+    assert network == []  # refused before huggingface_hub's retries
 
 
 def test_hub_download_picks_the_split(tmp_path, monkeypatch):
@@ -172,6 +188,7 @@ def test_hub_download_picks_the_split(tmp_path, monkeypatch):
     pq.write_table(pa.table({"url": ["u/7", "u/5"], "text": ["seven", "five"]}), path)
     files = ["README.md", "data/test-00000-of-00001.parquet", "data/train-00000-of-00010.parquet"]
     monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo, repo_type: files)
+    monkeypatch.setattr("kvbench.hub.hub_unreachable", lambda: None)  # the hub is this fake, reachable offline
     fetched = []
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         lambda repo, name, repo_type: fetched.append(name) or str(path))

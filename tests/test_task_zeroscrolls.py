@@ -267,7 +267,8 @@ class TestData:
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda **kw: calls.append(kw) or str(archive))
         task = ZeroScrollsTask(datasets=["quality"])
         assert len(task.samples(None)) == 2
-        assert calls == [{"repo_id": "tau/zero_scrolls", "filename": "quality.zip", "repo_type": "dataset"}]
+        assert calls == [{"repo_id": "tau/zero_scrolls", "filename": "quality.zip", "repo_type": "dataset",
+                          "local_files_only": True}]  # in the hub cache: no network
 
     def test_offline_hub_is_one_clear_line(self, monkeypatch):
         import huggingface_hub
@@ -276,12 +277,27 @@ class TestData:
             raise OSError("We couldn't connect to 'https://huggingface.co'\nto load this file.")
 
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+        monkeypatch.setattr("kvbench.hub.hub_unreachable", lambda: None)  # reachable, the download itself fails
         task = ZeroScrollsTask(datasets=["quality"])
         task.validate()
         with pytest.raises(DataError) as err:
             task.prepare_data()
         message = str(err.value)
         assert "\n" not in message and "task.data_dir" in message and "tau/zero_scrolls" in message
+        assert "OSError: We couldn't connect" in message
+
+    def test_unreachable_hub_is_one_line_without_a_network_call(self, monkeypatch):
+        from helpers import UNREACHABLE, hub_without_network
+
+        network = hub_without_network(monkeypatch)
+        task = ZeroScrollsTask(datasets=["quality"])
+        task.validate()
+        with pytest.raises(DataError) as err:
+            task.prepare_data()
+        assert str(err.value) == (
+            f"task 'zeroscrolls': could not download quality.zip of the hub dataset tau/zero_scrolls ({UNREACHABLE}); "
+            "put the official zips (or their unpacked folders) in a directory and set task.data_dir=<that directory>")
+        assert network == []  # refused before huggingface_hub's retries
 
 
 def test_aggregate_equals_score_records():

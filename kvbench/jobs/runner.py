@@ -29,23 +29,29 @@ def _finished(cfg: DictConfig, job: Any, jobdir: Any) -> dict[str, Any] | None:
     return scores
 
 
-def run_job(cfg: DictConfig, loaded: Any = None) -> dict[str, Any]:
+def run_job(cfg: DictConfig, loaded: Any = None, prepared: Job | None = None) -> dict[str, Any]:
     """Run (or resume, or skip) one job; returns its scores.
 
     ``loaded``: None loads the job's model here; a LoadedModel, or a callable ``spec -> LoadedModel`` (the sweep
-    worker's model cache), shares a model that is already in memory. Timings never include the load."""
+    worker's model cache), shares a model that is already in memory. Timings never include the load.
+    ``prepared``: the same job as the caller planned it and passed through ``refuse_before_loading`` (kvbench.run's
+    preflight): its task, whose data is read already, is used instead of preparing the data a second time; a job
+    with another key or task config is ignored."""
     import torch
     from tqdm import tqdm
 
     from kvbench.store import JobDir
 
     job = plan_job(cfg)
+    data_ready = prepared is not None and same_task(prepared, job)
+    if data_ready:
+        job.task = prepared.task
     results_dir = Path(cfg.paths.results_dir)
     jobdir = JobDir(results_dir, job.parts, job.key)
     done_scores = _finished(cfg, job, jobdir)
     if done_scores is not None:
         return done_scores
-    refuse_before_loading(job, jobdir)
+    refuse_before_loading(job, jobdir, data_ready=data_ready)
 
     from kvbench.engine import CompressionSession
 
@@ -163,11 +169,18 @@ def _interruptible(jobdir: Any):
                              "again to resume") from None
 
 
-def refuse_before_loading(job: Job, jobdir: Any) -> None:
+def same_task(prepared: Job, job: Job) -> bool:
+    """Whether ``prepared`` is ``job`` planned earlier with the same task config (``task.data_dir`` included, which
+    the job key leaves out), so that its task's data serves ``job``."""
+    return prepared.key == job.key and (OmegaConf.to_container(prepared.cfg.task, resolve=True)
+                                        == OmegaConf.to_container(job.cfg.task, resolve=True))
+
+
+def refuse_before_loading(job: Job, jobdir: Any, data_ready: bool = False) -> None:
     """Refusals made before the model loads (``kvbench.run`` makes them before Hydra too, for one job): a model family
     whose attention no method can reach (known from its local config or hub id, without the network), a corrupted
     record (one line pointing at ``store verify --clean``), a job another process is running, missing task data (a
-    download fails here)."""
+    download fails here; skipped with ``data_ready``: the task's data was prepared by an earlier call)."""
     from kvbench.models.loading import refuse_known_architecture
     from kvbench.store import JobLockedError
 
@@ -175,7 +188,8 @@ def refuse_before_loading(job: Job, jobdir: Any) -> None:
     jobdir.read_records()
     if jobdir.lock_held():  # another process runs it: say so now, not after this one has loaded the model
         raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")
-    job.task.prepare_data()
+    if not data_ready:
+        job.task.prepare_data()
 
 
 def _obtain_model(spec: Any, loaded: Any) -> Any:

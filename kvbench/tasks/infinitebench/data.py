@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import DataError
+from kvbench.hub import dataset_file
 from kvbench.tasks.records import json_lines, utf8_lines
 
 HUB_REPO = "xinrongzhang2022/InfiniteBench"
@@ -40,24 +41,11 @@ def check_data_dir(task_name: str, data_dir: str, tasks: list[str]) -> Path:
 
 
 def download_official(task_name: str, task: str) -> Path:
-    """Path of ``<task>.jsonl`` in the hub cache (looked up there first), else downloaded once. Any failure
-    (offline, hub errors) is one DataError line naming ``task.data_dir`` as the way out."""
-    import huggingface_hub
-
-    request = {"repo_id": HUB_REPO, "filename": file_name(task), "repo_type": "dataset"}
-    try:  # a file already in the hub cache needs no network (offline, the hub client retries for ~30 s per file)
-        return Path(huggingface_hub.hf_hub_download(**request, local_files_only=True))
-    except Exception:
-        pass
-    try:
-        return Path(huggingface_hub.hf_hub_download(**request))
-    except Exception as exc:  # offline, gated, renamed: all mean "use a local copy"
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise DataError(
-            f"task {task_name!r}: could not download {file_name(task)} of the hub dataset {HUB_REPO} "
-            f"({type(exc).__name__}: {reason}); download the official files (InfiniteBench "
-            f"scripts/download_dataset.sh) and set task.data_dir=<directory with the .jsonl files>"
-        ) from None
+    """Path of ``<task>.jsonl`` in the hub cache (looked up there first), else downloaded once
+    (``kvbench.hub.dataset_file``). Any failure (offline, hub errors) is one DataError line naming ``task.data_dir`` as
+    the way out, at once where the hub cannot be reached."""
+    return dataset_file(task_name, HUB_REPO, file_name(task), "download the official files (InfiniteBench "
+                        "scripts/download_dataset.sh) and set task.data_dir=<directory with the .jsonl files>")
 
 
 def read_rows(path: Path, task_name: str, needs_options: bool = False) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ Each line is ``{"input": document, "instructions": [...], "outputs": [...], "eva
 ``LEval-data/Open-ended-tasks/``; codeU and narrative_qa are Git-LFS pointers there) and in the hub dataset
 ``L4NLP/LEval`` (``LEval/Exam/``, ``LEval/Generation/``), whose loading script no longer works with ``datasets>=4``
 (reference/benchmarks.md section 0, pitfall 5). ``task.data_dir`` may hold the files flat or in either layout; with
-``data_dir`` null each file is fetched with ``huggingface_hub.hf_hub_download(repo_type="dataset")`` into the hub cache.
+``data_dir`` null each file is fetched with ``huggingface_hub.hf_hub_download(repo_type="dataset")`` into the hub cache
+(once: a cached file is read without the network, ``kvbench.hub.dataset_file``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import DataError
+from kvbench.hub import dataset_file
 
 HUB_REPO = "L4NLP/LEval"
 
@@ -45,18 +47,11 @@ def local_files(task: str, data_dir: str, datasets: dict[str, str], layout: dict
 
 
 def hub_file(task: str, dataset: str, group: str, layout: dict[str, Any]) -> Path:
-    """``<dataset>.jsonl`` from the hub dataset ``L4NLP/LEval`` (cached by huggingface_hub); any failure is one
-    DataError line naming ``task.data_dir`` as the way out."""
-    filename = f"{layout['hub'][group]}/{dataset}.jsonl"
-    try:
-        import huggingface_hub
-
-        return Path(huggingface_hub.hf_hub_download(repo_id=HUB_REPO, filename=filename, repo_type="dataset"))
-    except Exception as exc:  # offline, gated, renamed: all mean "use a local copy"
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise DataError(f"task {task!r}: could not download {filename} of the hub dataset {HUB_REPO} "
-                        f"({type(exc).__name__}: {reason}); put the official LEval .jsonl files in a directory and set "
-                        f"task.data_dir=<that directory>") from None
+    """``<dataset>.jsonl`` from the hub dataset ``L4NLP/LEval`` (the hub cache first; ``kvbench.hub.dataset_file``);
+    any failure is one DataError line naming ``task.data_dir`` as the way out, at once where the hub cannot be
+    reached."""
+    return dataset_file(task, HUB_REPO, f"{layout['hub'][group]}/{dataset}.jsonl",
+                        "put the official LEval .jsonl files in a directory and set task.data_dir=<that directory>")
 
 
 def read_documents(path: Path, task: str) -> list[dict[str, Any]]:

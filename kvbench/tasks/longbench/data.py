@@ -3,7 +3,7 @@
 The hub repository ``THUDM/LongBench`` is a loading script plus ``data.zip``; script datasets no longer load with
 ``datasets>=4`` (reference/benchmarks.md section 0, pitfall 5), so kvbench reads the jsonl files directly: from
 ``task.data_dir`` if set, else from ``<kvbench cache>/data/longbench``, where ``data.zip`` is downloaded once with
-``huggingface_hub.hf_hub_download(repo_type="dataset")`` (hub cache) and unpacked.
+``huggingface_hub.hf_hub_download(repo_type="dataset")`` (hub cache, ``kvbench.hub.dataset_file``) and unpacked.
 """
 
 from __future__ import annotations
@@ -52,27 +52,15 @@ def check_data_dir(task: str, data_dir: str, names: list[str]) -> Path:
 
 
 def download_official(task: str, target: Path | None = None) -> Path:
-    """Download ``data.zip`` from the hub dataset ``THUDM/LongBench`` and unpack its jsonl files into ``target``
-    (default ``default_data_dir()``) once; returns ``target``. Any failure is one DataError line naming
-    ``task.data_dir`` as the way out."""
-    from kvbench.hub import hub_unreachable
+    """Download ``data.zip`` from the hub dataset ``THUDM/LongBench`` (or take it from the hub cache) and unpack its
+    jsonl files into ``target`` (default ``default_data_dir()``) once; returns ``target``. Any failure is one DataError
+    line naming ``task.data_dir`` as the way out, at once where the hub cannot be reached (``kvbench.hub``)."""
+    from kvbench.hub import dataset_file
 
     target = target or default_data_dir()
-    unreachable = hub_unreachable()
-    if unreachable:  # at once, not after huggingface_hub's retries
-        raise DataError(f"task {task!r}: could not download {HUB_FILE} of the hub dataset {HUB_REPO} ({unreachable}); "
-                        "unzip the official data.zip somewhere and set task.data_dir=<directory with the .jsonl files>")
-    try:
-        import huggingface_hub
-
-        archive = huggingface_hub.hf_hub_download(repo_id=HUB_REPO, filename=HUB_FILE, repo_type="dataset")
-    except Exception as exc:  # offline, gated, hub errors: all mean "use a local copy"
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise DataError(
-            f"task {task!r}: could not download {HUB_FILE} of the hub dataset {HUB_REPO} ({type(exc).__name__}: "
-            f"{reason}); unzip the official data.zip somewhere and set task.data_dir=<directory with the .jsonl files>"
-        ) from None
-    _unpack(task, Path(archive), target)
+    archive = dataset_file(task, HUB_REPO, HUB_FILE, "unzip the official data.zip somewhere and set "
+                           "task.data_dir=<directory with the .jsonl files>")
+    _unpack(task, archive, target)
     return target
 
 

@@ -77,7 +77,14 @@ def read_parquet(task: str, paths: list[Path]) -> list[Document]:
 
 
 def download_split(task: str, hub_dataset: str, split: str) -> list[Document]:
-    """The ``split`` parquet files of the hub dataset ``hub_dataset`` (hub cache), as Documents."""
+    """The ``split`` parquet files of the hub dataset ``hub_dataset`` (hub cache), as Documents. Listing the files
+    needs the hub: where it cannot be reached, one DataError line at once (``kvbench.hub.require_hub``)."""
+    from kvbench.hub import failure, refusal, require_hub
+
+    what = f"the PG-19 {split} split from the hub dataset {hub_dataset}"
+    remedy = (f"put the PG-19 {split} books (<book_id>.txt files or parquet files) in a directory and set "
+              "task.data_dir=<directory>, or use the offline text: task.source=essays")
+    require_hub(task, what, remedy)
     try:
         import huggingface_hub
 
@@ -87,12 +94,7 @@ def download_split(task: str, hub_dataset: str, split: str) -> list[Document]:
             raise FileNotFoundError(f"no {split} parquet files in {hub_dataset}")
         paths = [Path(huggingface_hub.hf_hub_download(hub_dataset, f, repo_type="dataset")) for f in wanted]
     except Exception as exc:  # offline, gated, renamed: all mean "use a local copy"
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise DataError(
-            f"task {task!r}: could not download the PG-19 {split} split from the hub dataset {hub_dataset} "
-            f"({type(exc).__name__}: {reason}); put the PG-19 {split} books (<book_id>.txt files or parquet files) "
-            f"in a directory and set task.data_dir=<directory>, or use the offline text: task.source=essays"
-        ) from None
+        raise refusal(task, what, failure(exc), remedy) from None
     return read_parquet(task, paths)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import DataError
+from kvbench.hub import dataset_file
 from kvbench.tasks.records import json_lines, utf8_lines
 
 HUB_REPO = "tau/zero_scrolls"
@@ -38,17 +39,10 @@ def local_source(task: str, data_dir: str, dataset: str) -> Path:
 
 
 def hub_source(task: str, dataset: str) -> Path:
-    """``<dataset>.zip`` of the hub dataset ``tau/zero_scrolls`` (cached by huggingface_hub); any failure is one
-    DataError line naming ``task.data_dir``."""
-    try:
-        import huggingface_hub
-
-        return Path(huggingface_hub.hf_hub_download(repo_id=HUB_REPO, filename=f"{dataset}.zip", repo_type="dataset"))
-    except Exception as exc:  # offline, gated, renamed: all mean "use a local copy"
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise DataError(f"task {task!r}: could not download {dataset}.zip of the hub dataset {HUB_REPO} "
-                        f"({type(exc).__name__}: {reason}); put the official zips (or their unpacked folders) in a "
-                        f"directory and set task.data_dir=<that directory>") from None
+    """``<dataset>.zip`` of the hub dataset ``tau/zero_scrolls`` (the hub cache first; ``kvbench.hub.dataset_file``);
+    any failure is one DataError line naming ``task.data_dir``, at once where the hub cannot be reached."""
+    return dataset_file(task, HUB_REPO, f"{dataset}.zip", "put the official zips (or their unpacked folders) in a "
+                        "directory and set task.data_dir=<that directory>")
 
 
 def _lines(path: Path, task: str) -> list[str]:
