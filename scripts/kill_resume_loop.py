@@ -52,7 +52,7 @@ def run(cmd: list[str], results: Path, kill_after: float | None = None) -> dict:
     """One round: ``cmd`` in a new process group, killed (the whole group, SIGKILL) after ``kill_after`` seconds."""
     env = {**os.environ, "KVBENCH_RESULTS_DIR": str(results)}
     env.pop("KVBENCH_FAULT", None)
-    if "-m" in cmd:
+    if "-m" in cmd[3:]:  # kvbench.run's own -m (a sweep), not python's -m before the module name
         env.setdefault("OMP_NUM_THREADS", "1")  # one thread per worker: workers x threads <= cores
     started = time.time()
     first_record = None
