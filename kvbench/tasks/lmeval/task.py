@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvbench.errors import ConfigError, DataError
+from kvbench.hub import failure
 from kvbench.tasks import check_bool, check_int, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.lmeval import data
@@ -131,8 +132,7 @@ class LMEvalTask(Task):
         except OSError as exc:  # offline hub, missing or unreadable files
             where = (f"the local files of data_dir={self.data_dir!r}" if self.data_dir is not None
                      else f"the hub dataset {cfg.get('dataset_path')}")
-            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-            raise DataError(f"task {self.name!r}: lm-eval could not load {where} ({type(exc).__name__}: {reason}); "
+            raise DataError(f"task {self.name!r}: lm-eval could not load {where} ({failure(exc)}); "
                             f"put the dataset's files in a directory and set task.data_dir=<directory> (README: "
                             f"kvbench/tasks/lmeval)") from None
         if self.num_fewshot is not None:

@@ -56,15 +56,16 @@ def read_file(path: str, task: str = "longbench_v2") -> list[dict[str, Any]]:
 def load_hub(task: str = "longbench_v2") -> list[dict[str, Any]]:
     """``load_dataset('THUDM/LongBench-v2', split='train')`` as ``pred.py`` does, as checked dicts; any failure is one
     DataError naming ``task.data_file`` as the way out."""
+    from kvbench.hub import failure
+
     try:
         import datasets
 
         dataset = datasets.load_dataset(HUB_REPO, split=HUB_SPLIT)
     except Exception as exc:  # offline, missing extra, hub errors: all mean "use a local copy"
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise DataError(
-            f"task {task!r}: could not load the hub dataset {HUB_REPO} (split {HUB_SPLIT}) ({type(exc).__name__}: "
-            f"{reason}); download its data.json and set task.data_file=<path to data.json or a .jsonl>"
+            f"task {task!r}: could not load the hub dataset {HUB_REPO} (split {HUB_SPLIT}) ({failure(exc)}); "
+            f"download its data.json and set task.data_file=<path to data.json or a .jsonl>"
         ) from None
     return [check_row(dict(row), f"task {task!r}: {HUB_REPO} row {index}") for index, row in enumerate(dataset)]
 
