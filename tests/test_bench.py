@@ -323,3 +323,22 @@ def test_the_targets_plot_reads_every_kind_of_bound(tmp_path):
                  "ok": True} for t, bound in (("a", "<= 1.1"), ("b", ">= 0.5"), ("c", "<= 1.05 x budget"))]
     paths = targets_plot(verdicts, tmp_path, "t")
     assert paths and all(p.exists() for p in paths)
+
+
+def test_a_named_variant_is_its_own_row_with_its_config_merged_key_by_key(tmp_path):
+    """A grid's methods item ``{name, method, overrides}`` is a cell of its own name (a decode-compressing SnapKV
+    beside plain SnapKV), built from the method's yaml with the overrides merged key by key."""
+    from kvbench.bench.run import method_config
+
+    cfg = _cfg(tmp_path, "bench.grids.0.methods=[snapkv,{name:snapkv_w8,method:snapkv,overrides:{window:8}}]",
+               "bench.grids.0.context_lengths=[64]", "bench.grids.0.batch_sizes=[1]")
+    cells = {c["method"]: c for c in expand(cfg.bench)}
+    assert cells["snapkv_w8"]["config"] == "snapkv" and cells["snapkv_w8"]["overrides"] == {"window": 8}
+    assert cells["snapkv"]["overrides"] is None
+    built = method_config("snapkv", {"window": 8})
+    assert built["window"] == 8 and built["kernel"] == method_config("snapkv", None)["kernel"]
+    merged = method_config("adakv", {"scorer_fields": {"window": 64}})  # a nested mapping: merged, not replaced
+    assert merged["scorer_fields"] == {"window": 64} and "scorer" in merged
+    for bad in ("bench.grids.0.methods=[{name:x}]", "bench.grids.0.methods=[{name:x,method:snapkv,extra:1}]"):
+        with pytest.raises(ConfigError, match="must be a method's name or a mapping"):
+            expand(_cfg(tmp_path, bad).bench)

@@ -39,13 +39,29 @@ FIELDS = ("model", "device", "dtype", "threads", "method", "budget", "context_le
 
 
 def method_config(name: str, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``conf/method/<name>.yaml`` with ``overrides`` merged in (nested mappings key by key, as Hydra's overrides:
+    ``{decode_compression: {interval: 128}}`` keeps the yaml's other ``decode_compression`` keys)."""
     path = CONF_DIR / "method" / f"{name}.yaml"
     if not path.exists():
         options = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
         raise ConfigError(f"bench: unknown method {name!r}; valid methods: {', '.join(options)}")
-    cfg = OmegaConf.to_container(OmegaConf.load(path))
-    cfg.update(overrides or {})
-    return cfg
+    cfg = OmegaConf.load(path)
+    if overrides:
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(overrides))
+    return OmegaConf.to_container(cfg)
+
+
+def method_entry(bench: DictConfig, index: int, entry: Any) -> tuple[str, str, dict[str, Any] | None]:
+    """A grid's ``methods`` item: a method's name (its config as it is), or a named variant
+    ``{name: snapkv_dc128, method: snapkv, overrides: {decode_compression: {interval: 128}}}`` (rows and targets
+    call it by ``name``): ``(row name, method config name, its overrides)``."""
+    if isinstance(entry, str):
+        return entry, entry, None
+    if isinstance(entry, dict) and set(entry) <= {"name", "method", "overrides"} and \
+            isinstance(entry.get("name"), str) and isinstance(entry.get("method"), str):
+        return entry["name"], entry["method"], entry.get("overrides")
+    raise ConfigError(f"bench {bench.name!r} grid {index}: methods item {entry!r} must be a method's name or a "
+                      f"mapping {{name, method, overrides}}")
 
 
 def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
@@ -73,9 +89,14 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
         if peers and "decode" not in grid["metrics"]:
             raise ConfigError(f"bench {bench.name!r} grid {index}: peers {peers} time decode only; add decode to the "
                               f"grid's metrics")
-        for method in grid.get("methods") or []:
+        for entry in grid.get("methods") or []:
+            method, base, variant = method_entry(bench, index, entry)
+            overrides = (grid.get("method_overrides") or {}).get(method)
+            if variant:
+                overrides = OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(overrides or {}),
+                                                                   OmegaConf.create(variant)))
             for raw_budget in grid["budgets"]:
-                budget = parse_budget(raw_budget, method)  # the job plan's parse: FullKV's is full
+                budget = parse_budget(raw_budget, base)  # the job plan's parse: FullKV's is full
                 for length in grid["context_lengths"]:
                     for batch in grid.get("batch_sizes", [1]):
                         _check_shape(bench, index, length, batch)
@@ -85,11 +106,11 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                             cell["metrics"] = [*cell["metrics"], *(m for m in grid["metrics"]
                                                                    if m not in cell["metrics"])]
                             continue
-                        seen[key] = {"method": method, "budget": budget, "context_length": length,
-                                      "batch_size": batch, "metrics": grid["metrics"],
-                                      "overrides": (grid.get("method_overrides") or {}).get(method),
+                        seen[key] = {"method": method, "config": base, "budget": budget,
+                                      "context_length": length, "batch_size": batch, "metrics": grid["metrics"],
+                                      "overrides": overrides,
                                       "memory_limit_gb": grid.get("memory_limit_gb"),
-                                      "paired": bool(grid.get("paired", False)) and method != "fullkv",
+                                      "paired": bool(grid.get("paired", False)) and base != "fullkv",
                                       "new_tokens": grid.get("new_tokens", bench.new_tokens),
                                       "repeats": grid.get("repeats", bench.repeats)}
                         cells.append(seen[key])
@@ -144,7 +165,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
             continue
         key = (cell["method"], cell["budget"].label())
         try:
-            methods[key] = build_method(method_config(cell["method"], cell["overrides"]), cell["budget"])
+            methods[key] = build_method(method_config(cell["config"], cell["overrides"]), cell["budget"])
         except NotAvailableError as exc:
             log.warning("skipping %s: %s", cell["method"], exc)
             continue
@@ -216,7 +237,9 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
                                   baseline=fullkv if cell["paired"] else None,
                                   warmup_new_tokens=bench.get("decode_warmup_tokens"), compile=compile_decode)
             row.update(result.as_dict())
-            method_cfg = method_config(cell["method"], cell["overrides"])
+            method_cfg = method_config(cell["config"], cell["overrides"])
+            if cell["config"] != cell["method"]:  # a named variant: what it is, in its row
+                row.update(method_config_name=cell["config"], method_overrides=cell["overrides"])
             if isolate and "memory" in cell["metrics"]:
                 got = probe_in_subprocess(request(spec, method_cfg, row["budget"], cell["context_length"],
                                                   cell["batch_size"], "prefill", seed=cfg.seed))
