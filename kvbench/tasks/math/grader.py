@@ -8,10 +8,10 @@ A prediction is graded in two steps:
    before ``</think>`` has no answer (score 0, majority key ""). With ``think="ignore"`` the whole output is read,
    as R-KV's, TriAttention's and kvpress's evaluation scripts do (they never look for ``</think>``).
 2. ``parse`` + ``verify`` of math-verify: the reference answer (the dataset's ``answer`` field) is parsed as LaTeX
-   (``$answer$`` with ``LatexExtractionConfig()``), the prediction with ``LatexExtractionConfig(boxed_match_priority=0)``
-   and ``ExprExtractionConfig()`` (a ``\\boxed{}`` first, then "final answer is" patterns, then the last LaTeX / plain
-   expression: lighteval's and open-r1's configuration for reasoning models), and ``verify(gold, prediction)`` decides
-   (symbolic and numeric equivalence, sets and intervals, units and ``\\text{}`` stripped, ``\\dfrac``, percent).
+   (``$answer$`` with ``LatexExtractionConfig()``), the prediction with
+   ``LatexExtractionConfig(boxed_match_priority=0)`` and ``ExprExtractionConfig()`` (a ``\\boxed{}`` first, then
+   "final answer is" anchors, then the last LaTeX / plain expression), and ``verify(gold, prediction)`` decides
+   (symbolic and numeric equivalence, sets and intervals, units and ``\\text{}`` stripped, ``\\dfrac``).
 
 ``majority_key`` is a canonical string of the parsed prediction (sympy's ``str`` of the first parsed value), so
 ``\\dfrac{1}{2}``, ``0.5`` and ``\\frac12`` vote together for maj@n.

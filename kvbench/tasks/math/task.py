@@ -98,7 +98,8 @@ class MathTask(Task):
     think: str = "after_close"
     max_new_tokens: int = 32768
     max_length: int | None = 32768
-    sampling: dict[str, Any] | None = field(default_factory=lambda: {"temperature": 0.6, "top_p": 0.95, "n": 8})
+    sampling: dict[str, Any] | None = field(
+        default_factory=lambda: {"temperature": 0.6, "top_p": 0.95, "top_k": None, "n": 8})
     stop_strings: list[str] = field(default_factory=list)
     truncate_to: int | None = None
 
@@ -219,7 +220,8 @@ class Math500Task(MathTask):
     benchmark: ClassVar[str] = "math500"
     max_new_tokens: int = 8192
     max_length: int | None = 8192
-    sampling: dict[str, Any] | None = field(default_factory=lambda: {"temperature": 0.6, "top_p": 0.95, "n": 1})
+    sampling: dict[str, Any] | None = field(
+        default_factory=lambda: {"temperature": 0.6, "top_p": 0.95, "top_k": None, "n": 1})
 
 
 @dataclass
