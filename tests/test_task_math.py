@@ -338,3 +338,29 @@ def test_smollm2_greedy_run_on_fixtures(tmp_path):
     assert [r["score"] for r in records] == [task.score(r["prediction"], samples[r["id"]]) for r in records]
     assert scores["n_samples"] == 2 and scores["metric"] == "math_verify_accuracy"
     assert json.loads((job / "meta.json").read_text())["protocol"]["grader"].startswith("math-verify ")
+    from kvbench.tasks.math.scoring import math500
+
+    assert math500(records)["score"] == scores["score"]  # python -m kvbench.score on the job's samples.jsonl
+
+
+class TestRescoring:
+    def test_rkv_output_file(self, tmp_path, capsys):
+        """A predictions file as R-KV's run_math.py writes it (``output``, ``answer``), re-scored from the CLI."""
+        from kvbench.score import main
+
+        rows = [{"id": 60, "answer": "204", "output": "... Final answer:  \\boxed{204}"},
+                {"id": 61, "answer": "113", "output": "<think>\\boxed{113}</think> so \\boxed{112}"},
+                {"id": 62, "answer": "371", "output": "we get \\boxed{371} and then"},
+                {"id": 75, "answer": "073", "output": "Final answer: \\boxed{73}"}]
+        path = tmp_path / "output.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert main([str(path), "--benchmark", "aime24", "--out", "-"]) == 0
+        scores = json.loads(capsys.readouterr().out)
+        assert scores["datasets"] == {"aime24": 75.0} and scores["counts"] == {"aime24": 4}
+
+    def test_think_opened_from_meta(self):
+        from kvbench.tasks.math.scoring import math500
+
+        records = [{"prediction": "\\boxed{5} cut", "answers": ["5"], "meta": {"think_opened": True}},
+                   {"prediction": "\\boxed{5} cut", "answers": ["5"], "meta": {"think_opened": False}}]
+        assert math500(records)["score"] == 50.0

@@ -1,13 +1,19 @@
-"""The declaration of the reasoning math tasks (kvbench.tasks.spec): names and README rows."""
+"""The declaration of the reasoning math tasks (kvbench.tasks.spec): names, re-scoring, README rows."""
 
-from kvbench.tasks.spec import ReadmeRow, TaskEntry, TaskSpec
+from kvbench.tasks.spec import ReadmeRow, Rescorer, TaskEntry, TaskSpec
+
+# where R-KV's / TriAttention's output files (output, answer) and kvpress's columns (predicted_answer) keep the fields
+ALIASES = {"prediction": ("prediction", "output", "predicted_answer"), "answers": ("answers", "answer", "gt")}
 
 SPEC = TaskSpec(
     rank=120,
     tasks=(
-        TaskEntry("math500", "kvbench.tasks.math:Math500Task"),
-        TaskEntry("aime24", "kvbench.tasks.math:Aime24Task"),
-        TaskEntry("aime25", "kvbench.tasks.math:Aime25Task"),
+        TaskEntry("math500", "kvbench.tasks.math:Math500Task", Rescorer(
+            "kvbench.tasks.math.scoring:math500", rank=13, single_task=True, aliases=ALIASES)),
+        TaskEntry("aime24", "kvbench.tasks.math:Aime24Task", Rescorer(
+            "kvbench.tasks.math.scoring:aime24", rank=14, single_task=True, aliases=ALIASES)),
+        TaskEntry("aime25", "kvbench.tasks.math:Aime25Task", Rescorer(
+            "kvbench.tasks.math.scoring:aime25", rank=15, single_task=True, aliases=ALIASES)),
     ),
     readme=(
         ReadmeRow(
