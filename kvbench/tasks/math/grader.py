@@ -41,6 +41,12 @@ def math_verify_version() -> str:
         return "not installed"
 
 
+def math_verify_series() -> str:
+    """``major.minor`` of the installed math-verify: what the task protocol (and so the job key) records, so that a
+    patch release does not re-run 32K-token generations; the exact version goes with the scores (``aggregate``)."""
+    return ".".join(math_verify_version().split(".")[:2])
+
+
 def answer_region(prediction: str, think: str = "after_close", think_opened: bool = False) -> str | None:
     """The text the final answer is read from, or None where the trace was cut before ``</think>`` (no answer).
 
@@ -100,4 +106,4 @@ def canonical_answer(prediction_text: str | None) -> str:
 
 
 __all__ = ["MATH_VERIFY_VERSION", "THINK_MODES", "answer_region", "canonical_answer", "is_correct",
-           "math_verify_version", "parse_gold", "parse_prediction"]
+           "math_verify_series", "math_verify_version", "parse_gold", "parse_prediction"]

@@ -201,15 +201,16 @@ class MathTask(Task):
         return grader.canonical_answer(self.region(prediction, sample))
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """Accuracy x 100 over all records (R-KV's and TriAttention's ``acc`` scale)."""
-        return {"score": mean_score(records, scale=100.0, digits=2), "n": len(records)}
+        """Accuracy x 100 over all records (R-KV's and TriAttention's ``acc`` scale) and the grader that gave it."""
+        return {"score": mean_score(records, scale=100.0, digits=2), "n": len(records),
+                "grader": f"math-verify {grader.math_verify_version()}"}
 
     def protocol(self) -> dict[str, Any]:
         fields = {k: v for k, v in protocol_fields(self).items() if k != "data_dir"}
         source = data.SOURCES[self.benchmark]
         return {**super().protocol(), **fields, "prompt_template": PROMPTS[self.prompt]["template"],
                 "data": {"hub": source.hub, "revision": source.revision},
-                "grader": f"math-verify {grader.math_verify_version()}"}
+                "grader": f"math-verify {grader.math_verify_series()}"}
 
 
 @dataclass
