@@ -118,7 +118,33 @@ class TestData:
         monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: calls.append(kw) or str(tmp_path))
         assert [s.id for s in Aime24Task().samples(None)] == ["60", "61", "62", "75"]
         assert calls == [{"repo_id": "HuggingFaceH4/aime_2024", "repo_type": "dataset",
-                          "allow_patterns": ["*.parquet", "*.jsonl"], "revision": None, "local_files_only": True}]
+                          "allow_patterns": ["*.parquet", "*.jsonl"],
+                          "revision": "2fe88a2f1091d5048c0f36abc874fb997b3dd99a", "local_files_only": True}]
+
+    def test_hub_files_are_checked_against_their_digests(self, monkeypatch):
+        """opencompass/AIME2025's two files are pinned by sha256: another file under their names is refused."""
+        import dataclasses
+        import hashlib
+
+        import huggingface_hub
+
+        from kvbench.tasks.math import data
+
+        fixture = FIXTURES / "aime25"
+        calls = []
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                            lambda **kw: calls.append(kw) or str(fixture / kw["filename"]))
+        with pytest.raises(DataError) as err:
+            Aime25Task().samples(None)
+        assert str(err.value).startswith("task 'aime25': aime2025-I.jsonl of the hub dataset "
+                                         "opencompass/AIME2025@a6ad95f611d72cf628a80b58bd0432ef6638f958 is not the "
+                                         "pinned file (sha256 differs from b91b3c96f05d...)")
+        assert "\n" not in str(err.value)
+        digests = tuple((n, hashlib.sha256((fixture / n).read_bytes()).hexdigest())
+                        for n in ("aime2025-I.jsonl", "aime2025-II.jsonl"))
+        monkeypatch.setitem(data.SOURCES, "aime25", dataclasses.replace(data.SOURCES["aime25"], sha256=digests))
+        assert len(Aime25Task().samples(None)) == 4
+        assert {c["revision"] for c in calls} == {"a6ad95f611d72cf628a80b58bd0432ef6638f958"}
 
     @pytest.mark.parametrize("cls,what", [
         (Math500Task, "test.jsonl of the hub dataset HuggingFaceH4/MATH-500"),
@@ -177,7 +203,8 @@ class TestProtocol:
         protocol = _task(Aime24Task).protocol()
         assert "data_dir" not in protocol
         assert protocol["grader"] == "math-verify 0.9"  # the series: a patch release keeps the job key
-        assert protocol["data"] == {"hub": "HuggingFaceH4/aime_2024", "revision": None}
+        assert protocol["data"] == {"hub": "HuggingFaceH4/aime_2024",
+                                    "revision": "2fe88a2f1091d5048c0f36abc874fb997b3dd99a"}
         assert protocol["prompt_template"] == PROMPTS["rkv"]["template"]
         assert protocol["sampling"] == {"temperature": 0.6, "top_p": 0.95, "top_k": None, "n": 8}
         assert _task(Aime24Task, think="ignore").protocol() != protocol

@@ -17,6 +17,7 @@ A row is read with any of the field names these copies use (``problem``/``questi
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,15 +32,17 @@ from kvbench.tasks.records import json_lines, utf8_lines
 class Source:
     """Where one benchmark's problems come from.
 
-    hub: the hub dataset; revision: its pinned commit (None: no commit could be pinned, the default branch is read:
-        README.md says why); hub_files: the files read from it (None: every ``*.parquet``/``*.jsonl`` of a snapshot,
-        for datasets whose data files carry the hub's generated names); local: the file groups accepted under
-        ``task.data_dir``, first complete group wins (each group is one layout: the hub's, R-KV's, TriAttention's)."""
+    hub: the hub dataset; revision: its pinned commit (README.md says where each sha comes from); hub_files: the files
+        read from it (None: every ``*.parquet``/``*.jsonl`` of a snapshot, for datasets whose data files carry the
+        hub's generated names); local: the file groups accepted under ``task.data_dir``, first complete group wins
+        (each group is one layout: the hub's, R-KV's, TriAttention's); sha256: the expected digest of hub files
+        where it is known (a downloaded file that differs is refused)."""
 
     hub: str
     revision: str | None
     hub_files: tuple[str, ...] | None
     local: tuple[tuple[str, ...], ...]
+    sha256: tuple[tuple[str, str], ...] = ()
 
 
 SOURCES: dict[str, Source] = {
@@ -51,16 +54,18 @@ SOURCES: dict[str, Source] = {
     ),
     "aime24": Source(
         hub="HuggingFaceH4/aime_2024",
-        revision=None,
+        revision="2fe88a2f1091d5048c0f36abc874fb997b3dd99a",  # main as the Hub API gave it on 2026-08-11 (README.md)
         hub_files=None,
         local=(("aime24.jsonl",), ("aime_2024.jsonl",), ("train.jsonl",), ("test.jsonl",)),
     ),
     "aime25": Source(
         hub="opencompass/AIME2025",
-        revision=None,
+        revision="a6ad95f611d72cf628a80b58bd0432ef6638f958",  # as another harness pins it, with the files' digests
         hub_files=("aime2025-I.jsonl", "aime2025-II.jsonl"),
         local=(("aime2025-I.jsonl", "aime2025-II.jsonl"), ("aime25.jsonl",), ("aime_2025.jsonl",), ("test.jsonl",),
                ("train.jsonl",)),
+        sha256=(("aime2025-I.jsonl", "b91b3c96f05d9635d2a0692b124ebe023c1ff59cb19c074275e6c4b349d0659e"),
+                ("aime2025-II.jsonl", "16a2dcfbbf9db1b11f8a69a3ba5e4cac73e3641b19a37e2307e9c12240bbed5e")),
     ),
 }
 
@@ -96,8 +101,14 @@ def hub_files(task: str, benchmark: str) -> list[Path]:
     reached, at once)."""
     source = SOURCES[benchmark]
     if source.hub_files is not None:
-        return [dataset_file(task, source.hub, name, remedy(benchmark), revision=source.revision)
-                for name in source.hub_files]
+        paths = [dataset_file(task, source.hub, name, remedy(benchmark), revision=source.revision)
+                 for name in source.hub_files]
+        digests = dict(source.sha256)
+        for name, path in zip(source.hub_files, paths):
+            if name in digests and hashlib.sha256(path.read_bytes()).hexdigest() != digests[name]:
+                raise DataError(f"task {task!r}: {name} of the hub dataset {source.hub}@{source.revision} is not the "
+                                f"pinned file (sha256 differs from {digests[name][:12]}...); {remedy(benchmark)}")
+        return paths
     folder = dataset_snapshot(task, source.hub, ["*.parquet", "*.jsonl"], remedy(benchmark), revision=source.revision)
     found = sorted(p for p in folder.rglob("*") if p.suffix in (".parquet", ".jsonl") and p.is_file())
     if not found:
