@@ -89,6 +89,20 @@ class TestData:
         samples = Aime25Task(data_dir=str(tmp_path), subset="II").samples(None)
         assert [(s.id, s.prompt.count("Q16"), s.answers) for s in samples] == [("16", 1, ["16"])]
 
+    def test_parquet_export(self, tmp_path):
+        """The hub's own layout of HuggingFaceH4/aime_2024 (data/train-*.parquet, int ids, a year column)."""
+        import pandas as pd
+
+        rows = [json.loads(line) for line in (FIXTURES / "aime24" / "aime24.jsonl").read_text().splitlines()]
+        frame = pd.DataFrame([{k: r[k] for k in ("id", "problem", "solution", "answer", "url")} | {"year": "2024"}
+                              for r in rows])
+        (tmp_path / "data").mkdir()
+        frame.to_parquet(tmp_path / "data" / "train-00000-of-00001.parquet")
+        samples = Aime24Task(data_dir=str(tmp_path)).samples(None)
+        assert [(s.id, s.answers[0], s.meta["part"]) for s in samples] == [
+            ("60", "204", "I"), ("61", "113", "I"), ("62", "371", "I"), ("75", "073", "II")]
+        assert samples[0].prompt == _task(Aime24Task).samples(None)[0].prompt
+
     def test_missing_files_one_line(self, tmp_path):
         with pytest.raises(DataError) as err:
             Aime25Task(data_dir=str(tmp_path)).validate()
