@@ -54,13 +54,15 @@ def require_hub(task: str, what: str, remedy: str) -> None:
         raise refusal(task, what, reason, remedy)
 
 
-def dataset_file(task: str, repo: str, filename: str, remedy: str) -> Path:
-    """``filename`` of the hub dataset ``repo``: from the hub cache when it is there (no network: offline, the hub
-    client would retry for ~30 s before falling back to it), else downloaded once after ``require_hub``. Any failure
-    is one ``refusal`` line."""
+def dataset_file(task: str, repo: str, filename: str, remedy: str, revision: str | None = None) -> Path:
+    """``filename`` of the hub dataset ``repo`` (at commit ``revision``, or the default branch when None): from the
+    hub cache when it is there (no network: offline, the hub client would retry for ~30 s before falling back to it),
+    else downloaded once after ``require_hub``. Any failure is one ``refusal`` line."""
     import huggingface_hub
 
     request = {"repo_id": repo, "filename": filename, "repo_type": "dataset"}
+    if revision is not None:
+        request["revision"] = revision
     try:
         return Path(huggingface_hub.hf_hub_download(**request, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached (or an unreadable cache): download
@@ -73,4 +75,24 @@ def dataset_file(task: str, repo: str, filename: str, remedy: str) -> Path:
         raise refusal(task, what, failure(exc), remedy) from None
 
 
-__all__ = ["dataset_file", "failure", "hub_unreachable", "refusal", "require_hub"]
+def dataset_snapshot(task: str, repo: str, patterns: list[str], remedy: str, revision: str | None = None) -> Path:
+    """The files of the hub dataset ``repo`` matching ``patterns`` (at ``revision``, or the default branch), as a
+    local folder: the hub cache first, else downloaded once after ``require_hub``; any failure is one ``refusal``
+    line. For datasets whose data file names are the hub's (``data/train-00000-of-00001.parquet``), not the
+    benchmark's."""
+    import huggingface_hub
+
+    request = {"repo_id": repo, "repo_type": "dataset", "allow_patterns": patterns, "revision": revision}
+    try:
+        return Path(huggingface_hub.snapshot_download(**request, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached: download
+        pass
+    what = f"the hub dataset {repo}"
+    require_hub(task, what, remedy)
+    try:
+        return Path(huggingface_hub.snapshot_download(**request))
+    except Exception as exc:
+        raise refusal(task, what, failure(exc), remedy) from None
+
+
+__all__ = ["dataset_file", "dataset_snapshot", "failure", "hub_unreachable", "refusal", "require_hub"]

@@ -46,7 +46,7 @@ def _scores(capsys, path: Path, benchmark: str, *extra) -> dict:
 def test_benchmark_map_is_the_contract():
     assert list(cli.BENCHMARKS) == ["longbench", "longbench_e", "infinitebench", "ruler", "leval", "zeroscrolls",
                                     "longbench_v2", "needle", "needle_retrieval_head", "needle_kvpress", "passkey",
-                                    "2stageretr"]
+                                    "2stageretr", "math500", "aime24", "aime25"]
     for name in ("infinitebench", "ruler", "leval", "zeroscrolls", "longbench_v2"):
         assert cli.BENCHMARKS[name] == f"kvbench.tasks.{name}.scoring:score_records"
 

@@ -99,9 +99,11 @@ def test_the_lists_are_the_declarations():
     assert cli.BENCHMARKS == {e.name: e.rescorer.target for e in sorted(
         (e for e in declared if e.rescorer), key=lambda e: e.rescorer.rank)}
     assert set(cli.SINGLE_TASK) == {"needle", "needle_retrieval_head", "needle_kvpress", "passkey", "2stageretr",
-                                    "longbench_v2"}
+                                    "longbench_v2", "math500", "aime24", "aime25"}
+    math = {"prediction": ("prediction", "output", "predicted_answer"), "answers": ("answers", "answer", "gt")}
     assert cli.BENCHMARK_ALIASES == {"longbench_v2": {"prediction": ("prediction", "response"),
-                                                      "answers": ("answers", "answer")}}
+                                                      "answers": ("answers", "answer")},
+                                     "math500": math, "aime24": math, "aime25": math}
     assert rescoring.CELL_FIELDS == {"needle": ("context_length", "depth"),
                                      "needle_retrieval_head": ("context_length", "depth"),
                                      "needle_kvpress": ("context_length", "depth"),

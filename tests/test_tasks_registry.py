@@ -17,7 +17,7 @@ CONF_TASK = Path(__file__).resolve().parents[1] / "conf" / "task"
 LMEVAL = {"gsm8k", "coqa", "truthfulqa"}  # need the lmeval extra (in dev); tests/test_task_lmeval.py covers them
 IMPLEMENTED = {"needle", "needle_retrieval_head", "needle_kvpress", "needle_multiturn", "passkey", "2stageretr",
                "longbench", "longbench_e", "longbench_zh", "longbench_v2", "leval", "zeroscrolls", "infinitebench",
-               "ruler", "pg19",
+               "ruler", "pg19", "math500", "aime24", "aime25",
                *LMEVAL}
 BUILDABLE = IMPLEMENTED if importlib.util.find_spec("lm_eval") is not None else IMPLEMENTED - LMEVAL
 
