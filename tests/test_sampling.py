@@ -40,8 +40,12 @@ SETTINGS = [Sampling(0.6, 0.95, 0), Sampling(1.0, 1.0, 20), Sampling(0.7, 0.8, 2
 def test_the_filter_keeps_what_transformers_warpers_keep(sampling):
     """Temperature -> top-k -> top-p, as ``generate(do_sample=True)`` orders its warpers: the same kept set and the
     same kept values, on logits with ties (rounded) and without."""
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)])
     if sampling.top_k:
@@ -295,7 +299,8 @@ def test_a_killed_sampled_job_resumes_to_the_records_of_an_uninterrupted_run(tmp
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     records, scores = _job(tmp_path)
     assert _outcome(records) == _outcome(clean[0])
-    assert {k: scores[k] for k in ("pass@1", "maj@n", "score")} == {k: clean[1][k] for k in ("pass@1", "maj@n", "score")}
+    names = ("pass@1", "maj@n", "score")
+    assert {k: scores[k] for k in names} == {k: clean[1][k] for k in names}
     check = subprocess.run([sys.executable, "-m", "kvbench.store", "verify", "--results", str(tmp_path)],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and "1 finished" in check.stdout, check.stdout

@@ -4,10 +4,11 @@
 drawn per prompt; greedy decoding is no ``Sampling`` object at all (``Sampling.greedy()`` is None), so every greedy
 path stays what it was.
 
-The choice (``choose``) filters the logits as transformers' logits warpers do, in their order (``TemperatureLogitsWarper``
--> ``TopKLogitsWarper`` -> ``TopPLogitsWarper``, float32, ``min_tokens_to_keep=1``), then draws by inverse CDF with one
-uniform per row and step. The uniforms come from one CPU ``torch.Generator`` per row, seeded with the row's own seed
-(``sample_seed``) and drawn once per step whatever the other rows do (``RowStreams``), so that
+The choice (``choose``) filters the logits as transformers' logits warpers do, in their order
+(``TemperatureLogitsWarper`` -> ``TopKLogitsWarper`` -> ``TopPLogitsWarper``, float32, ``min_tokens_to_keep=1``), then
+draws by inverse CDF with one uniform per row and step. The uniforms come from one CPU ``torch.Generator`` per row,
+seeded with the row's own seed (``sample_seed``) and drawn once per step whatever the other rows do (``RowStreams``),
+so that
 
 * a rerun, or a resumed job that regenerates a row, gives the row the same tokens (the seed depends on the job's seed,
   the sample's id and the sample's index among the prompt's n, never on the batch or the order of work);

@@ -121,8 +121,9 @@ def resolve_sampling(cfg: DictConfig, task: Any, question: str = "with_context")
 
     declared = getattr(task, "sampling", None) or {}
     given = cfg.get("sampling") or {}
-    if not isinstance(declared, dict) and not hasattr(declared, "items"):
-        raise ConfigError(f"task {task.name!r}: sampling={declared!r} must be a mapping of {', '.join(SAMPLING_FIELDS)}")
+    if not hasattr(declared, "items"):
+        raise ConfigError(f"task {task.name!r}: sampling={declared!r} must be a mapping of "
+                          f"{', '.join(SAMPLING_FIELDS)}")
     given = OmegaConf.to_container(given, resolve=True) if isinstance(given, DictConfig) else dict(given)
     for source, values in (("sampling", given), ("task.sampling", dict(declared))):
         unknown = sorted(set(values) - set(SAMPLING_FIELDS))
