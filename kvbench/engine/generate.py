@@ -1,8 +1,11 @@
-"""Greedy generation with separately timed prefill and decode, equal to ``model.generate(do_sample=False)``.
+"""Greedy (or sampled) generation with separately timed prefill and decode, equal to
+``model.generate(do_sample=False)`` when greedy.
 
 The loop is the one ``generate`` runs (prefill with ``logits_to_keep=1``, then one token per step with
 ``position_ids`` continuing from the attention-mask cumsum), written out so that prefill and decode can be timed
-apart and rows can stop at task stop strings. Left padding for batch > 1.
+apart and rows can stop at task stop strings. Left padding for batch > 1. With a ``Sampling``
+(``kvbench.engine.sampling``) each step's token is drawn instead, from one uniform per row and step of the row's own
+seeded CPU generator (the same tokens in any batch, on any device up to logit ties).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from kvbench import faults
 from kvbench.engine.attention import ACTIVE_SESSION
 from kvbench.engine.cache import KVCache, KVLayer
 from kvbench.engine.compat import cache_kwargs
+from kvbench.engine.sampling import RowStreams, Sampling, next_tokens
 
 
 @dataclass
@@ -57,8 +61,16 @@ def greedy_generate(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     should_stop: Callable[[int, list[int]], bool] | None = None,
+    sampling: Sampling | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> GenerationOutput:
-    """Generate greedily for each prompt (left-padded batch). ``should_stop(row, tokens)`` ends a row early."""
+    """Generate greedily for each prompt (left-padded batch). ``should_stop(row, tokens)`` ends a row early.
+
+    ``sampling`` (None: greedy) draws each token instead, row ``r`` from a generator seeded ``seeds[r]``; a row draws
+    one uniform per step, the prefill's token included, whether it has ended or not."""
+    if sampling is not None and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError(f"sampling needs one seed per prompt ({len(prompts)}), got {seeds!r}")
+    streams = RowStreams(seeds) if sampling is not None else None
     device = model.device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
@@ -82,7 +94,7 @@ def greedy_generate(
         input_ids=ids, attention_mask=mask if padded else None, position_ids=position_ids,
         **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1,
     )
-    next_token = out.logits[:, -1, :].argmax(-1)
+    next_token = next_tokens(out.logits[:, -1, :], sampling, streams.next(1) if streams else None)
     _sync(device)
     prefill_seconds = time.perf_counter() - t0
     faults.reach("mid_sample")
@@ -115,7 +127,8 @@ def greedy_generate(
             from kvbench.engine.graph import captured_generate
 
             steps += captured_generate(session, model, next_token, last_pos, max_new_tokens - 1 - step,
-                                       _by_columns(take, done, step + 1, max_new_tokens))
+                                       _by_columns(take, done, step + 1, max_new_tokens), sampling=sampling,
+                                       streams=streams)
             break
         last_pos = last_pos + 1
         mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=-1)
@@ -123,7 +136,7 @@ def greedy_generate(
             input_ids=next_token.view(-1, 1), attention_mask=mask if padded else None, position_ids=last_pos,
             **cache_kwargs(model, cache), use_cache=True,
         )
-        next_token = out.logits[:, -1, :].argmax(-1)
+        next_token = next_tokens(out.logits[:, -1, :], sampling, streams.next(1) if streams else None)
         steps += 1
     _sync(device)
     decode_seconds = time.perf_counter() - t1

@@ -1,4 +1,5 @@
-"""One captured decode step per token: the model's whole forward, the method's step inside it, the greedy choice.
+"""One captured decode step per token: the model's whole forward, the method's step inside it, the token choice
+(greedy, or sampled with uniforms the host wrote into a static buffer before the block of steps).
 
 Batch-1 decode of an 8B model on a GPU is bound by launches and host work (reference/gpu.md): capturing one layer's
 attention at a time leaves every projection, norm and MLP, and the Python between them, on the host. Here the whole
@@ -14,6 +15,9 @@ CUDA graph replayed per token):
   no cache length: each layer's attention is the session's ``captured_attend`` (write the step's key/value into a free
   slot, then ``engine.static.static_step``: attention over the valid slots and the method's own step — score
   accumulation, eviction, merge, page or filter selection — all device tensors);
+* a sampled generation (``kvbench.engine.sampling``) draws each row's uniforms for the next ``read_every`` steps on the
+  host (its own seeded CPU generator, one per step) into ``StepBuffers.uniforms`` before each block; the step reads its
+  column and chooses on the device (the same tokens as the host-driven loop, which draws the same uniforms one by one);
 * nothing is read back inside a step: the generated tokens accumulate on the device and the host reads them every
   ``read_every`` steps (EOS, task stop strings, the token limit), then trims what follows a row's end, so the tokens
   equal the host-driven loop's;
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.engine.compat import cache_kwargs, versions_line
+from kvbench.engine.sampling import RowStreams, Sampling, next_tokens
 from kvbench.engine.static import slot_pool
 
 log = logging.getLogger("kvbench")
@@ -59,37 +64,55 @@ def bucket(rows: int) -> int:
 class StepBuffers:
     """What a captured step reads and writes besides the cache, from the model's ``SlotPool`` (static addresses):
     ``tokens`` ``(B, 1)`` the step's input ids, ``positions`` ``(B, 1)`` their positions, ``generated`` ``(B, T)`` the
-    chosen ids of the last ``T`` steps (a ring of one read's columns), ``step`` ``()`` the next column of it."""
+    chosen ids of the last ``T`` steps (a ring of one read's columns), ``step`` ``()`` the next column of it; for a
+    sampled generation ``uniforms`` ``(B, T)`` float64 the draws of the same ``T`` steps (written by the host before
+    each block) and ``sampling`` the settings (a constant of the graph)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     generated: torch.Tensor
     step: torch.Tensor
+    uniforms: torch.Tensor | None = None
+    sampling: Sampling | None = None
 
     @classmethod
     def allocate(cls, tokens: torch.Tensor, positions: torch.Tensor, rows: int, steps: int,
-                 take: Callable[[str, tuple, torch.dtype], torch.Tensor]) -> StepBuffers:
+                 take: Callable[[str, tuple, torch.dtype], torch.Tensor],
+                 sampling: Sampling | None = None) -> StepBuffers:
         """Buffers of ``rows`` rows from ``take`` (the model's ``SlotPool``: the same addresses every generation of the
-        same bucket and length), holding ``tokens`` ``(B,)`` and ``positions`` ``(B, 1)``, the last row repeated."""
+        same bucket and length), holding ``tokens`` ``(B,)`` and ``positions`` ``(B, 1)``, the last row repeated;
+        with ``sampling``, a ``uniforms`` buffer too (zeros until the host fills it)."""
         def fill(name: str, t: torch.Tensor) -> torch.Tensor:
             t = t.reshape(-1, 1)
             base = take(name, (rows, 1), torch.long)
             base.copy_(torch.cat([t, t[-1:].expand(rows - t.shape[0], 1)]))
             return base
 
+        uniforms = None if sampling is None else take("uniforms", (rows, steps), torch.float64).zero_()
         return cls(fill("tokens", tokens), fill("positions", positions),
-                   take("generated", (rows, steps), torch.long), take("step", (), torch.long).zero_())
+                   take("generated", (rows, steps), torch.long), take("step", (), torch.long).zero_(), uniforms,
+                   sampling)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.tokens, self.positions, self.generated, self.step]
+        return [self.tokens, self.positions, self.generated, self.step] + \
+            ([] if self.uniforms is None else [self.uniforms])
+
+    def fill_uniforms(self, streams: RowStreams, steps: int) -> None:
+        """The next ``steps`` uniforms of each real row into columns ``[0, steps)`` (every block starts the ring at
+        column 0); the bucket's extra rows keep theirs (they are dropped)."""
+        drawn = streams.next(steps)
+        self.uniforms[: drawn.shape[0], :steps].copy_(drawn)
 
 
 def decode_step(model, cache_kw: dict, buffers: StepBuffers) -> None:
-    """One greedy decode step of ``model`` over the buffers and the cache, in place: no input, no output, no host read
-    (the function ``compiled_decode_step`` captures)."""
+    """One decode step of ``model`` over the buffers and the cache, in place: no input, no output, no host read
+    (the function ``compiled_decode_step`` captures). Greedy, or sampled with the step's column of ``uniforms``."""
     out = model(input_ids=buffers.tokens, position_ids=buffers.positions, use_cache=True, logits_to_keep=1,
                 **cache_kw)
-    chosen = out.logits[:, -1, :].argmax(-1).unsqueeze(-1)  # (B, 1)
+    uniforms = None
+    if buffers.sampling is not None:
+        uniforms = buffers.uniforms.index_select(1, buffers.step.view(1)).squeeze(1)  # (B,)
+    chosen = next_tokens(out.logits[:, -1, :], buffers.sampling, uniforms).unsqueeze(-1)  # (B, 1)
     buffers.tokens.copy_(chosen)
     buffers.positions.add_(1)
     buffers.generated.index_copy_(1, buffers.step.view(1), chosen)
@@ -143,23 +166,30 @@ def read_chosen(buffers: StepBuffers, rows: int, start: int, end: int) -> list[l
 
 
 def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.Tensor, steps: int,
-                      take: Callable[[list[list[int]]], bool], read_every: int | None = None) -> int:
+                      take: Callable[[list[list[int]]], bool], read_every: int | None = None,
+                      sampling: Sampling | None = None, streams: RowStreams | None = None) -> int:
     """Run up to ``steps`` captured decode steps after ``next_token`` ``(B,)`` at positions ``last_pos`` ``(B, 1)``
     (the token the host-driven loop would feed next, and the position before it), handing the host the chosen ids
     every ``read_every`` steps as ``take(columns)`` (per row, in step order), which returns True when every row has
-    ended. Returns the number of steps run (the last read may include up to ``read_every - 1`` steps past the end)."""
+    ended. Returns the number of steps run (the last read may include up to ``read_every - 1`` steps past the end).
+    ``sampling`` with ``streams`` (one generator per real row, continuing the host-driven loop's draws): each block's
+    uniforms are drawn before it runs."""
+    if sampling is not None and streams is None:
+        raise ValueError("a sampled captured generation needs the rows' streams")
     read_every = read_every or READ_EVERY
     rows = next_token.shape[0]
     pool = slot_pool(model).taker(("step",), next_token.device)
     # ``generated`` holds one read's columns (a ring), so its shape, and the graph, do not depend on the generation's
     # length (a bench's short warm-up and its measured runs replay one graph)
-    buffers = StepBuffers.allocate(next_token, last_pos + 1, bucket(rows), read_every, pool)
+    buffers = StepBuffers.allocate(next_token, last_pos + 1, bucket(rows), read_every, pool, sampling)
     fn = session.captured_step_function()
     done = 0
     with session.captured(bucket(rows), buffers.tensors()):
         kw = cache_kwargs(model, session.graph_cache())
         while done < steps:
             chunk = min(read_every, steps - done)
+            if sampling is not None:
+                buffers.fill_uniforms(streams, chunk)
             for i in range(chunk):
                 if done == 0 and i == 0:
                     fn = _first_call(fn, model, kw, buffers)

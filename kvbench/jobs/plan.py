@@ -26,6 +26,9 @@ class Job:
     #: how decode steps run, resolved from engine.decode / engine.compile: "graph" (one captured step per token,
     #: kvbench/engine/graph.py) or "eager" (the host-driven per-layer path)
     decode: str = "eager"
+    #: sampled decoding (kvbench/engine/sampling.py), resolved from the task's protocol and the top-level ``sampling``;
+    #: None: greedy
+    sampling: Any = None
 
     @property
     def budget_label(self) -> str:
@@ -76,6 +79,7 @@ def plan_job(cfg: DictConfig) -> Job:
         raise ConfigError(f"method {method.name!r} is defined per sequence; use batch_size=1 (got {cfg.batch_size})")
     task = _follow_turns(cfg, task)
     question, turns, history = _question_protocol(cfg, task, method)
+    sampling = resolve_sampling(cfg, task, question)
     decode = resolve_decode(cfg, method, budget, task, spec, question)
     label = method.budget_label(budget) or budget.label()  # POD's window, not the unused budget, names its jobs
     model_key = {k: v for k, v in asdict(spec).items() if k not in ("device", "notes")}
@@ -93,10 +97,65 @@ def plan_job(cfg: DictConfig) -> Job:
         # left out at their defaults (with_context, one turn): results stored before the options existed keep their hash
         **({"question": question} if question != "with_context" else {}),
         **({"turns": turns, "turn_history": history} if turns > 1 else {}),
+        # left out when greedy (every job before sampled decoding existed): their results keep their hash
+        **({"sampling": sampling.describe()} if sampling is not None else {}),
         "seed": cfg.seed,
         "batch_size": cfg.batch_size,
     }
-    return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, label), decode)
+    return Job(cfg, budget, method, task, spec, key, (spec.name, task.name, method.name, label), decode, sampling)
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "n")
+
+
+def resolve_sampling(cfg: DictConfig, task: Any, question: str = "with_context") -> Any:
+    """The job's ``Sampling`` (kvbench/engine/sampling.py), or None for greedy: the task's declared ``sampling``
+    (its reference evaluation's settings, a task attribute; absent on most tasks) updated by the non-null fields of
+    the top-level ``sampling`` group. Greedy unless the result sets a temperature > 0. Refused in one line: a bad
+    value, a field the top level names that is not a sampling setting, n > 1 or a top-level top_p / top_k while
+    greedy, and sampling where the job cannot sample (a task with its own evaluation loop, a staged question)."""
+    import dataclasses
+
+    from kvbench.engine.sampling import Sampling, invalid
+    from kvbench.tasks.base import Task
+
+    declared = getattr(task, "sampling", None) or {}
+    given = cfg.get("sampling") or {}
+    if not hasattr(declared, "items"):
+        raise ConfigError(f"task {task.name!r}: sampling={declared!r} must be a mapping of "
+                          f"{', '.join(SAMPLING_FIELDS)}")
+    given = OmegaConf.to_container(given, resolve=True) if isinstance(given, DictConfig) else dict(given)
+    for source, values in (("sampling", given), ("task.sampling", dict(declared))):
+        unknown = sorted(set(values) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise ConfigError(f"{source}.{unknown[0]} is not a sampling setting; valid: {', '.join(SAMPLING_FIELDS)}")
+    merged = {k: v for k, v in dict(declared).items() if v is not None}
+    merged.update({k: v for k, v in given.items() if v is not None})
+    temperature = merged.get("temperature")
+    if temperature is None or (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                               and temperature == 0):
+        n = merged.get("n", 1)
+        if n != 1:
+            raise ConfigError(f"sampling.n={n!r} needs sampling (a sampling.temperature > 0); greedy decoding gives "
+                              "one answer per prompt: set sampling.n=1 or a temperature")
+        for name in ("top_p", "top_k"):
+            if given.get(name) is not None:
+                raise ConfigError(f"sampling.{name}={given[name]!r} needs sampling (a sampling.temperature > 0); "
+                                  "greedy decoding ignores it")
+        return None
+    settings = {**{f.name: f.default for f in dataclasses.fields(Sampling)}, **merged}
+    problem = invalid(*(settings[name] for name in SAMPLING_FIELDS))
+    if problem:
+        raise ConfigError(problem)
+    if type(task).evaluate is not Task.evaluate:
+        raise ConfigError(f"task {task.name!r} runs its own evaluation loop (teacher forcing or its own requests), "
+                          "which decodes greedily; sampling applies to generated tasks: drop the sampling settings")
+    if question != "with_context":
+        raise ConfigError("sampling with question=after_compression or turns > 1 is not supported (the staged "
+                          "question decodes greedily); use question=with_context or drop the sampling settings")
+    # 1 and 1.0 are one setting (and one job key)
+    return Sampling(temperature=float(settings["temperature"]), top_p=float(settings["top_p"]),
+                    top_k=settings["top_k"], n=settings["n"])
 
 
 QUESTION_MODES = ("with_context", "after_compression")

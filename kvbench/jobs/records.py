@@ -80,6 +80,8 @@ def job_meta(job: Job, job_hash: str, loaded: Any, cfg: DictConfig, started: flo
         # question placement and turns: only when not the defaults (as in the job key)
         **({"question": job.key["question"]} if "question" in job.key else {}),
         **({"turns": job.key["turns"], "turn_history": job.key["turn_history"]} if "turns" in job.key else {}),
+        # sampled decoding (as in the job key; absent when greedy), each row's seed is in its record
+        **({"sampling": job.key["sampling"]} if "sampling" in job.key else {}),
         # how each layer attends (full / sliding<w>) and which layers the method compresses (sliding_layers policy)
         "engine": describe_layers(loaded.model, cfg.get("sliding_layers", "auto")),
         "started": started,

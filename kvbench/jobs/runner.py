@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,8 @@ def run_job(cfg: DictConfig, loaded: Any = None, prepared: Job | None = None) ->
             jobdir.discard_if_empty()
             raise
         if cfg.limit is not None:
-            samples = samples[: cfg.limit]
+            samples = samples[: cfg.limit]  # a limit counts prompts; each is n rows when sampled
+        samples, rows_of = expand_samples(samples, job.sampling, cfg.seed)
         progress["planned"] = len(samples)
         records = jobdir.read_records(repair=True)
         done = {r["id"] for r in records}
@@ -95,7 +97,7 @@ def run_job(cfg: DictConfig, loaded: Any = None, prepared: Job | None = None) ->
             for start in range(0, len(todo), cfg.batch_size):
                 batch = todo[start : start + cfg.batch_size]
                 try:
-                    done_records = _run_batch(job, batch, loaded, new_session, answerer)
+                    done_records = _run_batch(job, batch, loaded, new_session, answerer, rows_of)
                 except (KVBenchError, torch.OutOfMemoryError):
                     raise  # the user's input or the machine: the whole job stops (a sweep records it)
                 except Exception as exc:
@@ -106,7 +108,7 @@ def run_job(cfg: DictConfig, loaded: Any = None, prepared: Job | None = None) ->
                         try:
                             if len(batch) == 1:
                                 raise exc
-                            done_records += _run_batch(job, [sample], loaded, new_session, answerer)
+                            done_records += _run_batch(job, [sample], loaded, new_session, answerer, rows_of)
                         except (KVBenchError, torch.OutOfMemoryError):
                             raise
                         except Exception as row_exc:
@@ -205,9 +207,40 @@ def _obtain_model(spec: Any, loaded: Any) -> Any:
     return loaded
 
 
-def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any, answerer: Any) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Row:
+    """Where a row of a sampled job comes from: the prompt's sample id, the row's index among its n, its seed."""
+
+    sample_of: str
+    index: int
+    seed: int
+
+
+def expand_samples(samples: list, sampling: Any, job_seed: int) -> tuple[list, dict[str, Row]]:
+    """The rows a job generates: its samples as they are when greedy; when sampled, each sample ``n`` times (ids
+    ``<id>#<k>`` for n > 1, the id unchanged for n == 1), in prompt order, with each row's ``Row`` by id (its seed
+    from ``sample_seed``: the same whatever the batch, the order of work or a resume)."""
+    from dataclasses import replace
+
+    from kvbench.engine.sampling import sample_seed
+
+    if sampling is None:
+        return samples, {}
+    rows, rows_of = [], {}
+    for sample in samples:
+        for k in range(sampling.n):
+            row = sample if sampling.n == 1 else replace(sample, id=f"{sample.id}#{k}")
+            if row.id in rows_of:
+                raise DataError(f"sample id {row.id!r} occurs twice in the task's samples (n={sampling.n})")
+            rows.append(row)
+            rows_of[row.id] = Row(sample.id, k, sample_seed(job_seed, sample.id, k))
+    return rows, rows_of
+
+
+def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any, answerer: Any,
+               rows_of: dict[str, Row] | None = None) -> list[dict[str, Any]]:
     """Records of one batch: the task's own evaluation (its requests answered by ``answerer``), or generation then
-    scoring."""
+    scoring. ``rows_of``: a sampled job's rows (``expand_samples``), whose seeds the generation draws with."""
     from kvbench.engine import greedy_generate
     from kvbench.tasks.encoding import decode_prediction, encode_sample
 
@@ -219,9 +252,11 @@ def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any, answerer: A
     prompts = [encode_sample(job.task, s, loaded.tokenizer, job.spec) for s in batch]
     limits = [job.task.max_new_tokens_for(s) for s in batch]
     should_stop = _stop_checker([job.task.stop_strings_for(s) for s in batch], limits, loaded.tokenizer)
+    rows = [rows_of[s.id] for s in batch] if job.sampling is not None else None
     with new_session() as sess:
         out = greedy_generate(loaded.model, prompts, max(limits), loaded.eos_token_ids,
-                              loaded.tokenizer.pad_token_id, should_stop)
+                              loaded.tokenizer.pad_token_id, should_stop, sampling=job.sampling,
+                              seeds=[r.seed for r in rows] if rows else None)
     stats = sess.stats
     records = []
     for row, sample in enumerate(batch):
@@ -245,6 +280,9 @@ def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any, answerer: A
             "layer_entries": stats.layer_entries_after_prefill,
             "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
         }
+        if rows is not None:  # sampled: where the row comes from, its seed, and the answer maj@n votes with
+            record.update(sample_of=rows[row].sample_of, sample_index=rows[row].index, seed=rows[row].seed,
+                          answer_key=job.task.majority_key(prediction, sample))
         method_stats = job.method.sample_stats(row)
         if method_stats:
             record["method_stats"] = method_stats
@@ -378,9 +416,15 @@ def _print_table(cfg: DictConfig, job: Job, scores: dict, jobdir: Any, skipped: 
          f"{scores['resident_kv_bytes_mean']:,.0f}", f"{scores['prefill_seconds_mean']:.2f}",
          "-" if ms is None else f"{ms:.1f}"),
     ]
+    if "pass@1" in scores:  # a sampled job: pass@1 and maj@n over its n samples per prompt, and the output length
+        n = scores.get("n_samples_per_prompt", 1)
+        rows[0] = rows[0][:4] + ("pass@1", f"maj@{n}", "output tokens") + rows[0][4:]
+        rows[1] = rows[1][:4] + (f"{scores['pass@1']:.4f}", f"{scores['maj@n']:.4f}",
+                                 f"{scores['new_tokens_mean']:.1f}") + rows[1][4:]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = [" | ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     note = " (finished earlier; skipped)" if skipped else ""
-    header = f"\n{job.spec.name}: {scores['n_samples']} samples{note}\n"
+    per = f" ({scores['n_prompts']} prompts x {scores['n_samples_per_prompt']})" if "pass@1" in scores else ""
+    header = f"\n{job.spec.name}: {scores['n_samples']} samples{per}{note}\n"
     print(header + "\n".join(lines) + f"\nresults: {jobdir.path}\n")

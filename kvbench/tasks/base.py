@@ -131,6 +131,11 @@ class Task(ABC):
     def score(self, prediction: str, sample: Sample) -> float:
         """Per-sample score of a post-processed prediction (on the task's reporting scale)."""
 
+    def majority_key(self, prediction: str, sample: Sample) -> str:
+        """The answer a sampled job's majority vote (maj@n) counts ``prediction`` (post-processed) as: equal keys are
+        one answer. Default: the stripped prediction; tasks with a canonical answer form (math) override it."""
+        return prediction.strip()
+
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Scores over all records. Default: the mean of ``record["score"]`` as ``{"score": ..., "n": ...}``."""
         values = [float(r["score"]) for r in records]
