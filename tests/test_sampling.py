@@ -225,6 +225,22 @@ def test_pass_at_1_and_majority_from_records():
     assert sampled_scores([{"id": "g", "score": 1.0, "new_tokens": 3}]) == {}  # greedy records: nothing added
 
 
+def test_pass_at_1_and_majority_read_on_the_tasks_scale():
+    """0/1 per problem, accuracy in percent (the math tasks, passkey): pass@1 and maj@n are percent too, and pass@1
+    equals the task's own aggregate score when every prompt has its n samples."""
+    from kvbench.store.scores import record_scores
+    from kvbench.tasks.math.task import Math500Task
+
+    records = [{**_rec("a", 0, 1.0, "12"), "decode_steps": 1, "batch_size": 1, "resident_kv_bytes": 0,
+                "prompt_tokens": 1, "prefill_seconds": 0.0, "decode_seconds": 0.0},
+               {**_rec("a", 1, 0.0, "13"), "decode_steps": 1, "batch_size": 1, "resident_kv_bytes": 0,
+                "prompt_tokens": 1, "prefill_seconds": 0.0, "decode_seconds": 0.0}]
+    assert sampled_scores(records, 100.0)["pass@1"] == 50.0
+    scores = record_scores(Math500Task(), records)
+    assert Math500Task.score_scale == 100.0
+    assert scores["pass@1"] == scores["score"] == 50.0 and scores["maj@n"] == 100.0
+
+
 def test_greedy_record_scores_are_unchanged():
     from kvbench.tasks.base import Sample, Task
 

@@ -25,16 +25,17 @@ def record_scores(task: Any, records: list[dict]) -> dict[str, Any]:
             1000 * sum(r["decode_seconds"] for r in records) / decode_steps if decode_steps else None
         ),
         "new_tokens_total": new_tokens,
-        **sampled_scores(records),
+        **sampled_scores(records, getattr(task, "score_scale", 1.0)),
     }
 
 
-def sampled_scores(records: list[dict]) -> dict[str, Any]:
+def sampled_scores(records: list[dict], scale: float = 1.0) -> dict[str, Any]:
     """A sampled job's scores (its records carry ``sample_of``; greedy jobs': none): ``pass@1`` the mean over prompts
     of the mean score of the prompt's samples (the mean over all records when every prompt has its n), ``maj@n`` the
     mean over prompts of the score of the prompt's most frequent ``answer_key`` (ties: the answer met first, in sample
     order; its first record's score), ``n_samples_per_prompt`` (the most any prompt has), ``new_tokens_mean`` (the
-    mean output length, beside them: compression may lengthen outputs)."""
+    mean output length, beside them: compression may lengthen outputs). ``scale``: the task's ``score_scale`` (100
+    where per-sample scores are 0/1 and the task reports percent), so pass@1 and maj@n read on the score's scale."""
     if not records or not any("sample_of" in r for r in records):
         return {}
     groups: dict[str, list[dict]] = {}
@@ -54,8 +55,8 @@ def sampled_scores(records: list[dict]) -> dict[str, Any]:
         winner = next(key for key in first if counts[key] == top)  # dicts keep insertion order: the first met
         majority.append(float(first[winner]["score"]))
     return {
-        "pass@1": round(sum(pass1) / len(pass1), 4),
-        "maj@n": round(sum(majority) / len(majority), 4),
+        "pass@1": round(scale * sum(pass1) / len(pass1), 4),
+        "maj@n": round(scale * sum(majority) / len(majority), 4),
         "n_samples_per_prompt": max(len(rows) for rows in groups.values()),
         "n_prompts": len(groups),
         "new_tokens_mean": sum(float(r["new_tokens"]) for r in records) / len(records),

@@ -79,6 +79,9 @@ class Task(ABC):
     separable_question: ClassVar[bool] = False
     #: the task asks several questions per sample on one context (``Sample.follow_ups``): turns=N
     multi_turn: ClassVar[bool] = False
+    #: what the aggregate multiplies per-sample scores by (100: 0/1 scores reported in percent); sampled jobs' pass@1
+    #: and maj@n (``kvbench.store.scores``) read on the same scale
+    score_scale: ClassVar[float] = 1.0
 
     @abstractmethod
     def samples(self, tokenizer: Any) -> list[Sample]:

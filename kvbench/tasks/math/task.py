@@ -89,6 +89,7 @@ class MathTask(Task):
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "math_verify_accuracy"
     benchmark: ClassVar[str] = "math500"
+    score_scale: ClassVar[float] = 100.0  # 0/1 per problem, accuracy in percent (R-KV's and TriAttention's acc)
 
     data_dir: str | None = None
     subset: str = "all"
@@ -202,7 +203,7 @@ class MathTask(Task):
 
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Accuracy x 100 over all records (R-KV's and TriAttention's ``acc`` scale) and the grader that gave it."""
-        return {"score": mean_score(records, scale=100.0, digits=2), "n": len(records),
+        return {"score": mean_score(records, scale=self.score_scale, digits=2), "n": len(records),
                 "grader": f"math-verify {grader.math_verify_version()}"}
 
     def protocol(self) -> dict[str, Any]:

@@ -91,6 +91,7 @@ class PasskeyTask(Task):
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "first_int_match"
     separable_question: ClassVar[bool] = True  # "\n\nWhat is the pass key?" follows the haystack
+    score_scale: ClassVar[float] = 100.0  # 0/1 per key, accuracy in percent
 
     context_lengths: list[int] = field(default_factory=lambda: [1000, 1500, 2000])
     depths: list[float] | None = None
@@ -164,7 +165,7 @@ class PasskeyTask(Task):
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Accuracy x100 over all samples (InfiniteBench prints the mean in [0, 1]) and per (length, depth) cell."""
         return {
-            "score": mean_score(records, scale=100.0, digits=2),
+            "score": mean_score(records, scale=self.score_scale, digits=2),
             "n": len(records),
             "grid": grid_scores(records, scale=100.0, digits=2),
         }

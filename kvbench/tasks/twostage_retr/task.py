@@ -86,6 +86,7 @@ class TwoStageRetrTask(Task):
     separable_question: ClassVar[bool] = True  # the equation follows the dict
     version: ClassVar[str] = "1"
     metric: ClassVar[str] = "substring_any"
+    score_scale: ClassVar[float] = 100.0  # 0/1 per sample, accuracy in percent
 
     num_samples: int = 100
     dict_lengths: list[int] = field(default_factory=lambda: list(DICT_LENGTHS))
@@ -155,7 +156,7 @@ class TwoStageRetrTask(Task):
         for record in records:
             by_len.setdefault(int((record.get("meta") or {})["dict_len"]), []).append(record)
         return {
-            "score": mean_score(records, scale=100.0, digits=2),
+            "score": mean_score(records, scale=self.score_scale, digits=2),
             "n": len(records),
             "by_dict_len": {str(k): mean_score(v, scale=100.0, digits=2) for k, v in sorted(by_len.items())},
         }
