@@ -23,8 +23,11 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
 #: key's similar keys keeps it (its entry in the similarity matrix is zeroed); the ``*_percent`` readings of
 #: ``rkv/utils.py`` are not reachable from the authors' script
 RETAIN = ("last", "first")
-#: elements of one block of the similarity matrix (rows chunked so that a long prompt never holds ``n x n`` at once)
+#: elements of one block of the similarity matrix (rows chunked so that a long prompt never holds ``n x n`` at once;
+#: about 9 bytes each: the float32 similarity, its threshold mask and the int32 indices)
 BLOCK_ELEMENTS = 1 << 24
+#: the same with ``PrefillContext.few_kernels`` (a GPU's form: one pass up to a 4k prompt on 8 KV heads, ~1.2 GB)
+PASS_ELEMENTS = 1 << 27
 
 
 def rkv_attention(queries: torch.Tensor, keys: torch.Tensor, window: int, kernel: int, scaling: float,
@@ -51,13 +54,15 @@ def rkv_attention(queries: torch.Tensor, keys: torch.Tensor, window: int, kernel
     return pool1d(attn, kernel, "max")
 
 
-def rkv_redundancy(keys: torch.Tensor, threshold: float, retain: str, key_valid: torch.Tensor | None) -> torch.Tensor:
+def rkv_redundancy(keys: torch.Tensor, threshold: float, retain: str, key_valid: torch.Tensor | None,
+                   few_kernels: bool = False) -> torch.Tensor:
     """R-KV's redundancy ``(B, Hkv, n)`` (``rkv/utils.py`` ``cal_similarity``), per row on its own keys: the cosine
     similarity of every pair of keys (norms + 1e-8), the diagonal 0; in each row ``i`` the entry of the last (``retain
     ="last"``; ``"first"``: the smallest index of the code's ``where(similar, index, 0)``) key more similar than
     ``threshold`` is zeroed (the key kept for that pair), index 0 when there is none, as the code's ``max`` over
     ``where(sim > threshold, arange, 0)`` gives; then the mean over the rows ``i`` of each column and a softmax over
-    the keys. Computed in blocks of rows (the column sums), in float32; padding ``-inf``."""
+    the keys. Computed in blocks of rows (the column sums; ``BLOCK_ELEMENTS``, ``PASS_ELEMENTS`` with ``few_kernels``),
+    in float32; padding ``-inf``."""
     b, h, n, _ = keys.shape
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
@@ -66,26 +71,26 @@ def rkv_redundancy(keys: torch.Tensor, threshold: float, retain: str, key_valid:
     if key_valid is not None:
         pad = (~key_valid).sum(-1)  # left padding: the row's own index 0 is position pad
         valid_cols = key_valid[:, None, None, :]  # (B, 1, 1, n)
-    cols = torch.arange(n, device=keys.device)
+    local = torch.arange(n, device=keys.device, dtype=torch.int32).view(1, 1, 1, n) - pad.view(b, 1, 1, 1).int()
+    zero = torch.zeros((), dtype=torch.int32, device=keys.device)
     sums = torch.zeros(b, h, n, device=keys.device)
-    block = max(1, BLOCK_ELEMENTS // max(1, b * h * n))
+    block = max(1, (PASS_ELEMENTS if few_kernels else BLOCK_ELEMENTS) // max(1, b * h * n))
     for start in range(0, n, block):
         stop = min(n, start + block)
         sim = k[:, :, start:stop] @ k.transpose(-1, -2)  # (B, H, c, n)
         rows = torch.arange(start, stop, device=keys.device)
         sim[:, :, rows - start, rows] = 0.0
         similar = sim > threshold
-        local = cols.view(1, 1, 1, n) - pad.view(b, 1, 1, 1)  # the row's own index of each position
         if valid_cols is not None:
             similar = similar & valid_cols
         if retain == "last":
-            index = torch.where(similar, local, torch.zeros_like(local)).amax(-1)
+            index = torch.where(similar, local, zero).amax(-1)  # local: the row's own index of each position
         else:  # the code's min over where(similar, index, 0): 0 unless every other key is similar
-            index = torch.where(similar, local, torch.zeros_like(local))
+            index = torch.where(similar, local, zero)
             if valid_cols is not None:
                 index = index.masked_fill(~valid_cols, n)
             index = index.amin(-1)
-        retained = index + pad.view(b, 1, 1)  # (B, H, c), a position
+        retained = index.long() + pad.view(b, 1, 1)  # (B, H, c), a position
         sim.scatter_(-1, retained.unsqueeze(-1), 0.0)
         if valid_cols is not None:
             row_valid = key_valid[:, None, start:stop, None]  # padded rows add nothing
@@ -158,7 +163,8 @@ class RKV(ScorerMethod):
         """The mixed score ``(B, Hkv, n)``: the window ``+inf``, padding ``-inf`` (the class docstring)."""
         w, n = self.window, ctx.n
         attn = rkv_attention(ctx.queries, layer.keys, w, self.kernel, ctx.scaling, ctx.key_valid)
-        redundancy = rkv_redundancy(layer.keys, self.threshold, self.retain_direction, ctx.key_valid)[..., : n - w]
+        redundancy = rkv_redundancy(layer.keys, self.threshold, self.retain_direction, ctx.key_valid,
+                                    ctx.few_kernels)[..., : n - w]
         scores = attn * self.mix_lambda - redundancy * (1 - self.mix_lambda)
         window_scores = torch.full((*scores.shape[:2], w), float("inf"), device=scores.device)
         scores = torch.cat([scores, window_scores], dim=-1)
