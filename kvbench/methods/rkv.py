@@ -136,9 +136,13 @@ class RKV(ScorerMethod):
     compresses the prompt only (the entries generated after it are appended).
 
     Readings: the code stores the kept entries in ``topk`` order (scores descending), so at its later compressions
-    the max-pooling pools neighbours in that order; kvbench keeps position order (the kept sets of one compression
-    are equal: ``tests/test_parity_rkv_official.py``). ``cal_similarity`` reads ``key_states[0]``, the first row of a
-    batch, for every row; kvbench scores each row on its own keys, which is the code at its scripts' batch of 1.
+    the max-pooling pools neighbours in that order and ``retain_direction`` picks the last similar key by that order;
+    kvbench keeps position order. The kept sets of one compression are equal (``tests/test_parity_rkv_official.py``);
+    from the code's second compression on they differ (``scripts/parity/rkv/cache_order.py``: its decode schedule on
+    seeded inputs, 300-token prompt, budget 128, 640 steps: every head's set at every decode-time compression, by 16
+    to 52 of its 128 entries; 19 of 50 sets, by at most 5 entries, with ``kernel=1``, the similarity's order alone).
+    Not offered. ``cal_similarity`` reads ``key_states[0]``, the first row of a batch, for every row; kvbench scores
+    each row on its own keys, which is the code at its scripts' batch of 1.
     """
 
     name: ClassVar[str] = "rkv"
