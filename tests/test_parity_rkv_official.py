@@ -138,3 +138,21 @@ def test_redundancy_in_row_blocks_equals_one_block(monkeypatch):
     monkeypatch.setattr(rkv_module, "BLOCK_ELEMENTS", 2 * 256 * 7)  # blocks of 7 rows
     assert _kept(_method(case), case) == whole
     torch.testing.assert_close(_method(case).score(layer, prefill_ctx(q, layer, case["budget"])), one)
+
+
+@pytest.mark.parametrize("name", ["gqa_n256_b128_decode", "mha_n200_b64", "gqa_n120_b40_w16_k5"])
+def test_a_buffer_of_the_last_queries_scores_as_the_code(name):
+    """The call shape of a decode-time compression (the code's ``query_cache``: only the last ``window`` queries,
+    over the whole cache): ``RKV.score`` given those queries alone gives the code's ``final_score``, which the
+    generator computed from exactly them."""
+    case = CASES[name]
+    method = _method(case)
+    q, k, v = _streams(case)[0]
+    w, n = method.window, case["n"]
+    layer = make_layer(k.clone(), v.clone())
+    ctx = prefill_ctx(q[:, :, n - w :], layer, case["budget"])
+    assert ctx.n == w < layer.keys.shape[2]
+    scores = method.score(layer, ctx)[0]
+    torch.testing.assert_close(scores[:, :-w].double(),
+                               torch.tensor(case["per_layer"][0]["final_score"], dtype=torch.float64),
+                               rtol=TOL["scores_rtol"], atol=TOL["scores_atol"])

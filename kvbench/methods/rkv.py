@@ -33,13 +33,14 @@ PASS_ELEMENTS = 1 << 27
 def rkv_attention(queries: torch.Tensor, keys: torch.Tensor, window: int, kernel: int, scaling: float,
                   key_valid: torch.Tensor | None) -> torch.Tensor:
     """R-KV's importance ``(B, Hkv, n - w)`` (``R1KV.update_kv`` with ``compute_attention_scores``): the logits of the
-    last ``w`` queries over the keys, the max over each KV group's query heads (``pooling="max"``, before any
+    last ``w`` queries (of the prompt's, or of a buffer of the last queries while decoding: the code's
+    ``query_cache``) over the ``n`` keys, the max over each KV group's query heads (``pooling="max"``, before any
     softmax), a softmax over the ``n - w`` older keys alone (the window's keys are left out, so no causal mask is
     needed), the mean over the ``w`` queries, then max-pooling over positions (kernel ``kernel``, padding
     ``kernel // 2``). Padding keys get probability 0 and -inf before the pooling (as the pooling's own edge)."""
-    b, hq, n, d = queries.shape
-    hkv = keys.shape[1]
-    q = queries[:, :, n - window :].float().view(b, hkv, hq // hkv, window, d)
+    b, hq, m, d = queries.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    q = queries[:, :, m - window :].float().view(b, hkv, hq // hkv, window, d)
     logits = (q @ keys.float().unsqueeze(2).transpose(-1, -2)).amax(2) * scaling  # (B, Hkv, w, n)
     past = logits[..., : n - window]
     valid = None if key_valid is None else key_valid[:, None, None, : n - window]
@@ -165,7 +166,7 @@ class RKV(ScorerMethod):
 
     def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         """The mixed score ``(B, Hkv, n)``: the window ``+inf``, padding ``-inf`` (the class docstring)."""
-        w, n = self.window, ctx.n
+        w, n = self.window, layer.keys.shape[2]  # the cache's entries (ctx.n counts the queries)
         attn = rkv_attention(ctx.queries, layer.keys, w, self.kernel, ctx.scaling, ctx.key_valid)
         redundancy = rkv_redundancy(layer.keys, self.threshold, self.retain_direction, ctx.key_valid,
                                     ctx.few_kernels)[..., : n - w]
