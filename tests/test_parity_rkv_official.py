@@ -156,3 +156,49 @@ def test_a_buffer_of_the_last_queries_scores_as_the_code(name):
     torch.testing.assert_close(scores[:, :-w].double(),
                                torch.tensor(case["per_layer"][0]["final_score"], dtype=torch.float64),
                                rtol=TOL["scores_rtol"], atol=TOL["scores_atol"])
+
+
+DECODE = {c["name"]: c for c in FIXTURE["decode_cases"]}
+
+
+def _decode(method: RKV, case) -> list[list[list[list[int]]]]:
+    """The code's schedule through kvbench's RKV, layer by layer: the prompt through ``prefill``, then one token per
+    step appended and, at every position that is a multiple of ``divide_length``, ``score`` over the whole cache with
+    the last ``window`` queries and ``keep_top`` to the budget with the window (what a decode-time compression of a
+    scorer does); the kept positions per KV head after every compression that ranked (the prompt's when it held more
+    than the budget)."""
+    from kvbench.methods.cache_ops import keep_top
+
+    n, steps, budget, w = case["n"], case["steps"], case["budget"], method.window
+    out = []
+    for li in range(case["layers"]):
+        q, k, v = (torch.from_numpy(a).permute(1, 0, 2).unsqueeze(0).contiguous()
+                   for a in stream(case["seed"], li, n, steps, case["hq"], case["hkv"], case["d"],
+                                   layer_scale(li, case["layers"])))
+        layer = make_layer(k[:, :, :n].clone(), v[:, :, :n].clone())
+        sets = []
+        method.prefill(layer, prefill_ctx(q[:, :, :n], layer, budget, layer_idx=li, num_layers=case["layers"]))
+        if n > budget:
+            sets.append(kept_positions(layer))
+        for t in range(n, n + steps):
+            layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            if t % case["divide_length"] == 0 and layer.num_entries >= budget:
+                ctx = prefill_ctx(q[:, :, t - w + 1 : t + 1], layer, budget, layer_idx=li, num_layers=case["layers"])
+                keep_top(layer, method.score(layer, ctx), ctx.capacity, window=w)
+                sets.append(kept_positions(layer))
+        out.append(sets)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(DECODE))
+def test_rkv_decode_schedule_keeps_what_the_authors_code_keeps(name):
+    """Every compression of the code's decode schedule (every 128 tokens, the whole cache back to the budget, scored
+    by the query cache), in the code's cache order (``cache_order="code"``, the default): the kept positions of every
+    KV head equal the code's at every compression; in position order they differ from the second on."""
+    case = DECODE[name]
+    official = [[[from_mask(m) for m in step] for step in layer["kept"]] for layer in case["per_layer"]]
+    assert all(len(layer) >= 3 for layer in official)
+    assert _decode(RKV(), case) == official
+    by_position = _decode(RKV(cache_order="position"), case)
+    for ours, theirs in zip(by_position, official):  # the first compression sees position order in both
+        assert ours[0] == theirs[0] and all(a != b for a, b in zip(ours[1:], theirs[1:]))

@@ -6,6 +6,7 @@ Zefan-Cai/R-KV at d15c976 (``rkv/compression/r1_kv.py`` ``R1KV.update_kv``, ``rk
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -23,6 +24,9 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
 #: key's similar keys keeps it (its entry in the similarity matrix is zeroed); the ``*_percent`` readings of
 #: ``rkv/utils.py`` are not reachable from the authors' script
 RETAIN = ("last", "first")
+#: the order the scoring sees the cache in: ``code``, the authors' stored order (each compression stores the kept
+#: entries in ``topk`` order, scores descending, then the window and the entries appended after it); ``position``
+CACHE_ORDER = ("code", "position")
 #: elements of one block of the similarity matrix (rows chunked so that a long prompt never holds ``n x n`` at once;
 #: about 9 bytes each: the float32 similarity, its threshold mask and the int32 indices)
 BLOCK_ELEMENTS = 1 << 24
@@ -136,13 +140,16 @@ class RKV(ScorerMethod):
     that schedule through ``method.decode_compression`` (issue #40; interval 128, query buffer 8); without it R-KV
     compresses the prompt only (the entries generated after it are appended).
 
-    Readings: the code stores the kept entries in ``topk`` order (scores descending), so at its later compressions
-    the max-pooling pools neighbours in that order and ``retain_direction`` picks the last similar key by that order;
-    kvbench keeps position order. The kept sets of one compression are equal (``tests/test_parity_rkv_official.py``);
-    from the code's second compression on they differ (``scripts/parity/rkv/cache_order.py``: its decode schedule on
-    seeded inputs, 300-token prompt, budget 128, 640 steps: every head's set at every decode-time compression, by 16
-    to 52 of its 128 entries; 19 of 50 sets, by at most 5 entries, with ``kernel=1``, the similarity's order alone).
-    Not offered. ``cal_similarity`` reads ``key_states[0]``, the first row of a batch, for every row; kvbench scores
+    The cache's order (``cache_order``): the code stores the kept entries in ``topk`` order (scores descending), the
+    window and the entries generated since after them, so at its next compression the max-pooling pools neighbours in
+    that order and ``retain_direction`` takes the last similar key in it. ``cache_order="code"`` (default) scores the
+    cache in that order (this layer's ranking of its last compression, kept by the method; kvbench stores entries in
+    position order), which matters from the second compression on, i.e. while decoding; ``"position"`` scores in
+    position order (``scripts/parity/rkv/cache_order.py``: the code's decode schedule on seeded inputs, 300-token
+    prompt, budget 128, 640 steps, differs from it at every decode-time compression and head, by 16 to 52 of its 128
+    entries; 19 of 50 sets, by at most 5 entries, with ``kernel=1``). A left-padded batch is scored in position
+    order. A prompt of exactly ``budget`` tokens is not reordered (the code ranks it, keeping everything).
+    ``cal_similarity`` reads ``key_states[0]``, the first row of a batch, for every row; kvbench scores
     each row on its own keys, which is the code at its scripts' batch of 1.
     """
 
@@ -153,26 +160,64 @@ class RKV(ScorerMethod):
     mix_lambda: float = 0.07
     threshold: float = 0.5
     retain_direction: str = "last"
+    cache_order: str = "code"
 
     def __post_init__(self) -> None:
         check_positive(self.name, window=self.window, kernel=self.kernel)
         if not 0.0 <= self.mix_lambda <= 1.0:
             raise ConfigError(f"method {self.name!r}: mix_lambda={self.mix_lambda!r} must be in [0, 1]")
         check_choice(self.name, "retain_direction", self.retain_direction, RETAIN)
+        check_choice(self.name, "cache_order", self.cache_order, CACHE_ORDER)
         super().__post_init__()
+        #: per layer index: (the layer, its ``seen`` then, the positions its last scoring ranked ``(B, H, n - w)``,
+        #: scores descending): the code's stored order at the next compression (not a field: not a hyperparameter)
+        self._ranked: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def observation_window(self) -> int:
         return self.window
 
     def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
-        """The mixed score ``(B, Hkv, n)``: the window ``+inf``, padding ``-inf`` (the class docstring)."""
+        """The mixed score ``(B, Hkv, n)`` in stored order: the window ``+inf``, padding ``-inf`` (the class
+        docstring), computed over the cache in the code's order (``cache_order``)."""
         w, n = self.window, layer.keys.shape[2]  # the cache's entries (ctx.n counts the queries)
-        attn = rkv_attention(ctx.queries, layer.keys, w, self.kernel, ctx.scaling, ctx.key_valid)
-        redundancy = rkv_redundancy(layer.keys, self.threshold, self.retain_direction, ctx.key_valid,
+        order = self._code_order(layer, ctx)
+        keys = layer.keys if order is None else layer.keys.gather(2, order[..., None].expand_as(layer.keys))
+        attn = rkv_attention(ctx.queries, keys, w, self.kernel, ctx.scaling, ctx.key_valid)
+        redundancy = rkv_redundancy(keys, self.threshold, self.retain_direction, ctx.key_valid,
                                     ctx.few_kernels)[..., : n - w]
         scores = attn * self.mix_lambda - redundancy * (1 - self.mix_lambda)
+        if self.cache_order == "code" and ctx.key_valid is None and layer.valid is None:
+            positions = layer.positions if order is None else layer.positions.gather(2, order)
+            ranked = positions[..., : n - w].gather(-1, torch.argsort(scores, dim=-1, descending=True, stable=True))
+            self._ranked[ctx.layer_idx] = (weakref.ref(layer), layer.seen, ranked)
         window_scores = torch.full((*scores.shape[:2], w), float("inf"), device=scores.device)
         scores = torch.cat([scores, window_scores], dim=-1)
+        if order is not None:
+            scores = torch.empty_like(scores).scatter_(-1, order, scores)
         if ctx.key_valid is not None:
             scores = scores.masked_fill(~ctx.key_valid[:, None], float("-inf"))
         return scores
+
+    def _code_order(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
+        """The permutation ``(B, H, n)`` of the stored entries (position order) into the code's order: the entries
+        this layer's last scoring ranked, in that ranking, then the others (its window, the entries appended since)
+        in position order; None (position order) for ``cache_order="position"``, a padded cache, or no ranking of
+        this layer's cache. A cache that holds every position from 0 (a prompt, or nothing evicted yet) is in the
+        code's order as stored (decided on the device: no host read)."""
+        if self.cache_order != "code" or ctx.key_valid is not None or layer.valid is not None:
+            return None
+        record = self._ranked.get(ctx.layer_idx)
+        if record is None or record[0]() is not layer:
+            return None
+        _, seen, ranked = record
+        positions = layer.positions
+        b, h, n = positions.shape
+        if ranked.shape[:2] != (b, h):
+            return None
+        size = max(seen, layer.seen) + 1
+        rank = torch.full((b, h, size), size + n, dtype=torch.long, device=positions.device)
+        rank.scatter_(-1, ranked, torch.arange(ranked.shape[-1], device=positions.device).expand_as(ranked))
+        key = torch.where(rank.gather(-1, positions) < size + n, rank.gather(-1, positions), size + positions)
+        fresh = (positions == torch.arange(n, device=positions.device)).all()
+        key = torch.where(fresh, positions, key)
+        return torch.argsort(key, dim=-1, stable=True)

@@ -61,6 +61,14 @@ CASES = [
     ("gqa_n256_b128_sim", 12, 8, 2, 8, 256, 128, {}),  # head dim 8: many pairs above the 0.5 threshold
 ]
 DEFAULTS = {"window_size": 8, "kernel_size": 7, "mix_lambda": 0.07, "retain_direction": "last"}
+DIVIDE = 128  # run_math.py:154, divide_length
+#: the code's decode schedule: name, seed, query heads, kv heads, head dim, prompt n, decode steps, budget
+DECODE_CASES = [
+    ("decode_gqa_n300_b128", 21, 8, 2, 32, 300, 520, 128),  # compressions at the prompt and at 384, 512, 640, 768
+    ("decode_mha_n150_b64", 22, 4, 4, 16, 150, 400, 64),
+    ("decode_mqa_n100_b96", 23, 4, 1, 16, 100, 300, 96),
+    ("decode_gqa_n60_b96", 24, 8, 2, 16, 60, 460, 96),  # the prompt fits: the first compression at 128
+]
 
 
 def load_official(path: Path):
@@ -135,6 +143,74 @@ def run_case(r1_kv, case) -> dict | None:
             "min_margin": float(f"{min(margins):.3g}") if margins else None, "per_layer": per_layer}
 
 
+def decode_layer(r1_kv, q, k, v, n: int, budget: int) -> tuple[list[list[str]], list[float]]:
+    """One layer through the schedule of ``run_decode_case``: the kept positions per KV head after each compression
+    that ran ``topk`` (as masks), and each head's margin there."""
+    w, total, hkv = DEFAULTS["window_size"], k.shape[2], k.shape[1]
+    key_rows = [{k[0, h, t].numpy().tobytes(): t for t in range(total)} for h in range(hkv)]
+    cluster = r1_kv.R1KV(budget=budget, **DEFAULTS)
+    ranked, kept, margins = [], [], []
+    real_topk = torch.Tensor.topk
+
+    def topk(self, *args, **kwargs):
+        ranked.append(self.detach().clone())
+        return real_topk(self, *args, **kwargs)
+
+    def compress(keys, values, queries):
+        before = len(ranked)
+        old = positions_of(keys, key_rows)
+        with torch.no_grad():
+            keys, values = cluster.update_kv(keys, queries, values)
+        if len(ranked) > before:  # topk ran: a compression
+            after = positions_of(keys, key_rows)
+            kept.append([to_mask(p, total) for p in after])
+            scores = ranked[-1][0]
+            for h in range(hkv):
+                chosen = set(after[h][: budget - w])
+                past = old[h][: len(old[h]) - w]
+                ins = [i for i, p in enumerate(past) if p in chosen]
+                outs = [i for i, p in enumerate(past) if p not in chosen]
+                if outs:
+                    low, high = float(scores[h, ins].min()), float(scores[h, outs].max())
+                    margins.append((low - high) / max(abs(low), 1e-30))
+        return keys, values
+
+    torch.Tensor.topk = topk
+    try:
+        keys, values = compress(k[:, :, :n].clone(), v[:, :, :n].clone(), q[:, :, n - w : n].clone())
+        for t in range(n, total):
+            keys = torch.cat([keys, k[:, :, t : t + 1]], 2)
+            values = torch.cat([values, v[:, :, t : t + 1]], 2)
+            if t % DIVIDE == 0:
+                keys, values = compress(keys, values, q[:, :, t - w + 1 : t + 1].clone())
+    finally:
+        torch.Tensor.topk = real_topk
+    return kept, margins
+
+
+def run_decode_case(r1_kv, case) -> dict | None:
+    """``rkv/modeling.py``'s schedule with the code's own cache: the prompt through ``update_kv`` with its last
+    ``window_size`` queries, then one token per step appended (``past_key_value.update``) and, whenever the token's
+    position is a multiple of ``DIVIDE`` (``CausalLM_forward``: the count of tokens seen when the previous forward
+    ended), the whole cache, in the code's stored order, through ``update_kv`` with the query cache (the last
+    ``window_size`` queries, this step's included). Recorded per layer: the positions every KV head keeps after each
+    compression that ran ``topk``."""
+    name, seed, hq, hkv, d, n, steps, budget = case
+    streams = [stream(seed, li, n, steps, hq, hkv, d, layer_scale(li, LAYERS)) for li in range(LAYERS)]
+    per_layer, margins = [], []
+    for arrays in streams:
+        q, k, v = (torch.from_numpy(a).permute(1, 0, 2).unsqueeze(0).contiguous() for a in arrays)
+        kept, layer_margins = decode_layer(r1_kv, q, k, v, n, budget)
+        per_layer.append({"kept": kept})
+        margins += layer_margins
+    if margins and min(margins) <= MARGIN:
+        return None
+    return {"name": name, "seed": seed, "hq": hq, "hkv": hkv, "d": d, "n": n, "steps": steps, "budget": budget,
+            "layers": LAYERS, "settings": dict(DEFAULTS), "divide_length": DIVIDE,
+            "input_sha": digest(*[a for s in streams for a in s]), "min_margin": float(f"{min(margins):.3g}"),
+            "per_layer": per_layer}
+
+
 def main():
     args = generator_args(__doc__, f"Zefan-Cai/R-KV at {COMMIT[:7]}", ROOT / "tests/fixtures/parity/rkv_official.json")
     assert torch.__version__.split("+")[0] == TORCH, torch.__version__
@@ -142,7 +218,9 @@ def main():
     torch.set_num_threads(1)
     r1_kv = load_official(Path(args.official))
     cases, skipped = run_with_margin(lambda case: run_case(r1_kv, case), CASES, lambda out: out is not None)
-    for out in cases:
+    decode, skipped_decode = run_with_margin(lambda case: run_decode_case(r1_kv, case), DECODE_CASES,
+                                             lambda out: out is not None)
+    for out in cases + decode:
         print(out["name"], "margin", out["min_margin"])
     environment = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
                    "transformers": None}
@@ -151,7 +229,7 @@ def main():
         "official": {"repo": "Zefan-Cai/R-KV", "commit": COMMIT, "date": "2025-06-13",
                      "files": ["rkv/compression/r1_kv.py", "rkv/utils.py"]},
         "environment": environment, "tolerance": {"scores_atol": 1e-7, "scores_rtol": 1e-5, "margin": MARGIN},
-        "skipped_seeds": skipped, "cases": cases})
+        "skipped_seeds": skipped, "cases": cases, "decode_skipped_seeds": skipped_decode, "decode_cases": decode})
 
 
 if __name__ == "__main__":
