@@ -48,6 +48,7 @@ BATCH = ["tests/test_batch_equals_single.py", "-k", "snapkv or pyramidkv or h2o"
 SCORERS = ["tests/test_method_scorers.py", "tests/test_parity_kvpress.py"]
 THINK = ["tests/test_parity_kvpress_think.py", "tests/test_parity_think_official.py"]
 TOVA = [*SCORERS, "tests/test_parity_tova_official.py", "-k", "tova"]
+RKV = ["tests/test_parity_rkv_official.py"]
 ADAKV_OFFICIAL = ["tests/test_parity_adakv_official.py"]
 KVZIP = ["tests/test_parity_kvpress_kvzip.py", "tests/test_parity_kvzip_official.py"]
 RAGGED = ["tests/test_ragged_cache.py"]
@@ -353,6 +354,38 @@ MUTANTS = [
            'scores[..., -1] = float("inf")',
            'scores[..., 0] = float("inf")',
            TOVA, "kvpress reading's safeguard: the first prompt token kept instead of the last"),
+    Mutant("rkv-group-mean", "rkv", "kvbench/methods/rkv.py",
+           ".amax(2) * scaling",
+           ".mean(2) * scaling",
+           RKV, "GQA: the mean of the group's logits instead of their max (compute_attention_scores pooling)"),
+    Mutant("rkv-softmax-over-window", "rkv", "kvbench/methods/rkv.py",
+           "probs = torch.softmax(past, dim=-1)",
+           "probs = torch.softmax(logits, dim=-1)[..., : n - window]",
+           RKV, "importance: the softmax over every key, the window's included, instead of the older keys alone"),
+    Mutant("rkv-no-pooling", "rkv", "kvbench/methods/rkv.py",
+           'return pool1d(attn, kernel, "max")',
+           "return attn",
+           RKV, "importance: no max-pooling over positions"),
+    Mutant("rkv-retain-first", "rkv", "kvbench/methods/rkv.py",
+           "index = torch.where(similar, local, zero).amax(-1)",
+           "index = torch.where(similar, local, zero).amin(-1)",
+           RKV, "redundancy: retain_direction=last zeroes the first similar key's entry"),
+    Mutant("rkv-padded-rows-counted", "rkv", "kvbench/methods/rkv.py",
+           "sim = sim.masked_fill(~row_valid, 0.0)",
+           "sim = sim",
+           RKV, "redundancy: a left-padded row's padding keys add to every column's similarity"),
+    Mutant("rkv-lambda-swapped", "rkv", "kvbench/methods/rkv.py",
+           "scores = attn * self.mix_lambda - redundancy * (1 - self.mix_lambda)",
+           "scores = attn * (1 - self.mix_lambda) - redundancy * self.mix_lambda",
+           RKV, "mix: lambda weighs the redundancy instead of the importance"),
+    Mutant("rkv-keys-counted-by-queries", "rkv", "kvbench/methods/rkv.py",
+           "w, n = self.window, layer.keys.shape[2]",
+           "w, n = self.window, ctx.n",
+           RKV, "decode-time scoring: the cache's length read from the query buffer's"),
+    Mutant("rkv-cache-position-order", "rkv", "kvbench/methods/rkv.py",
+           "return torch.argsort(key, dim=-1, stable=True)",
+           "return None",
+           RKV, "decode-time compressions score the cache in position order, not in the code's stored order"),
     Mutant("expected-attention-sinks-dropped", "expected_attention", "kvbench/methods/expected_attention.py",
            'sinks = torch.full((hkv, min(n_sink, n)), float("inf"), device=probs.device)',
            'sinks = torch.full((hkv, min(n_sink, n)), float("-inf"), device=probs.device)',

@@ -259,11 +259,11 @@ BUDGET = 128
 # what each method's cache holds at budget 128 on a 600-token prompt, generating 4 tokens (3 decode steps)
 EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "tova"}
 PREFILL_ONLY = {"dynamickv", "kvmerger", "pyramidinfer", "pyramidkv", "snapkv", "knorm", "keydiff",
-                "expected_attention"}
+                "expected_attention", "rkv"}
 ATTENDS_LESS = {"infllm", "omnikv", "quest"}  # everything resident, fewer entries attended per step
 KEEPS_ALL = {"fullkv", "pod"}  # POD without a block map is FullKV by definition (its memory is set by its window)
 UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "snapkv", "knorm", "keydiff",
-           "expected_attention", "tova"}
+           "expected_attention", "tova", "rkv"}
 #: scores by extra forwards of the model (needs its tokenizer); layers and heads keep different numbers, each head only
 #: its own entries (layout=ragged)
 RECONSTRUCTS = {"kvzip"}

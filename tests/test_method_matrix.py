@@ -37,10 +37,10 @@ NOT_ON_CPU = {"cla", "lococo", "offload"}  # trained checkpoints (CLA, LoCoCo), 
 RUNNABLE = sorted(set(METHODS.names()) - NOT_ON_CPU)
 EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "tova"}
 PREFILL_ONLY = {"dynamickv", "kvmerger", "kvzip", "pyramidinfer", "pyramidkv", "snapkv", "think", "knorm", "keydiff",
-                "expected_attention", "adakv", "chunkkv"}
+                "expected_attention", "adakv", "chunkkv", "rkv"}
 KEEPS_RESIDENT = {"fullkv", "pod", "infllm", "omnikv", "quest"}
 UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "snapkv", "streamingllm", "think", "knorm", "keydiff",
-           "expected_attention", "tova", "chunkkv"}
+           "expected_attention", "tova", "chunkkv", "rkv"}
 #: heads of a layer keep different numbers, the layer as long as its longest head (padding allocated and counted)
 PADDED_HEADS = {"kvmerger"}
 #: heads of a layer keep different numbers, each holding only its own (layout=ragged, their default): bytes exact

@@ -20,7 +20,7 @@ from kvbench.methods import build_method
 
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
-          "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova"]
+          "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
 FIELDS = {"omnikv": {"filter_layers": [0]}, "adakv": {"layout": "padded"}}

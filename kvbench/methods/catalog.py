@@ -38,6 +38,7 @@ METHODS = Registry(
         "chunkkv": "kvbench.methods.chunkkv:ChunkKV",
         "think": "kvbench.methods.think:ThinK",
         "kvzip": "kvbench.methods.kvzip:KVzip",
+        "rkv": "kvbench.methods.rkv:RKV",
     },
     pending={},  # every method the five papers compare against is implemented (issue #4)
 )
