@@ -244,6 +244,9 @@ def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any, answerer: A
             "resident_kv_bytes_final": out.resident_kv_bytes_final // len(batch),
             "layer_entries": stats.layer_entries_after_prefill,
             "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
+            # [decode step, entries per layer] where the slope changes (SessionStats.resident_curve): a saw-tooth
+            # under decode_compression, two points for a cache that only grows
+            "resident_kv_curve": stats.resident_curve,
         }
         method_stats = job.method.sample_stats(row)
         if method_stats:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
     from kvbench.engine.cache import KVLayer
     from kvbench.engine.logits import TokenLogits
     from kvbench.engine.static import StaticPolicy
+    from kvbench.methods.decode_compression import DecodeCompression
 
 
 @dataclass
@@ -223,11 +224,34 @@ class Method:
         set by its own fields rather than the budget (POD's window) returns a label of those."""
         return None
 
+    def decode_compression_spec(self) -> DecodeCompression | None:
+        """The configured compression during decode (``methods.decode_compression``; ``method.decode_compression``
+        of the methods with a prefill score), or None (default: off). The engine keeps each layer's buffer of recent
+        queries and calls ``compress_decoded`` every ``interval`` decode steps."""
+        return None
+
+    def compress_decoded(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        """Compress ``layer`` during decode (``decode_compression_spec``) as the method compresses a prompt: ``ctx`` is
+        a ``PrefillContext`` over every entry the layer holds, ``ctx.queries`` ``(B, Hq, m, D)`` the buffered recent
+        post-RoPE queries (the newest ``m`` entries' own), ``ctx.capacity`` the target. Only methods with a decode
+        compression are called."""
+        from kvbench.errors import NotAvailableError
+
+        raise NotAvailableError(f"method {self.name!r} has no compression during decode")
+
     def describe(self) -> dict:
         """Hyperparameters as data (stored in meta.json)."""
         from dataclasses import asdict
 
         fields = {k: v for k, v in asdict(self).items() if k not in self.key_omitted or v != self.key_omitted[k]}
+        if "decode_compression" in fields:  # off: left out (results stored before it existed keep their key)
+            from kvbench.methods.decode_compression import describe_decode_compression
+
+            described = describe_decode_compression(self.decode_compression_spec())
+            if described is None:
+                del fields["decode_compression"]
+            else:
+                fields["decode_compression"] = described
         return {"name": self.name, **fields}
 
     def sample_stats(self, row: int) -> dict:

@@ -1,0 +1,49 @@
+"""Compression during decode (``Method.decode_compression_spec``), kvpress ``DecodingPress``'s loop: per layer, a step
+count and a buffer of the recent steps' post-RoPE queries; every ``interval`` decode steps the method compresses the
+layer (``Method.compress_decoded``) over everything it holds, with the buffer as the queries. The semantics and where
+they differ from kvpress are in ``kvbench.methods.decode_compression``; the engine never names a method."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvbench.methods.decode_compression import DecodeCompression
+
+
+class DecodeCompressor:
+    """The per-layer state of one generation (reset at every prefill)."""
+
+    def __init__(self, spec: DecodeCompression):
+        self.spec = spec
+        self.buffers: dict[int, list[torch.Tensor]] = {}
+        self.counts: dict[int, int] = {}
+        #: per layer, the decode steps at which it was compressed (1-based step counts of the generation)
+        self.compressions: dict[int, list[int]] = {}
+
+    def reset(self) -> None:
+        self.buffers.clear()
+        self.counts.clear()
+        self.compressions.clear()
+
+    def after_step(self, layer_idx: int, query: torch.Tensor, target_for: Callable[[], int],
+                   compress: Callable[[torch.Tensor, int], None], step: int) -> bool:
+        """After a decode forward of layer ``layer_idx`` (its entries appended): buffer its queries ``(B, Hq, q, D)``,
+        count the step, and at the ``interval``-th step (or a forward of at least the target's tokens) call
+        ``compress(queries, target)`` with the buffered queries ``(B, Hq, m, D)``. True when it compressed."""
+        spec = self.spec
+        buffer = self.buffers.setdefault(layer_idx, [])
+        buffer.append(query)
+        self.counts[layer_idx] = self.counts.get(layer_idx, 0) + 1
+        target = target_for()
+        compressed = False
+        if self.counts[layer_idx] >= spec.interval or query.shape[2] >= target:
+            compress(torch.cat(buffer, dim=2), target)
+            self.counts[layer_idx] = 0
+            buffer.clear()  # kvpress: the buffered queries and the cache would no longer match
+            self.compressions.setdefault(layer_idx, []).append(step)
+            compressed = True
+        # kvpress keeps the last hidden_states_buffer_size forwards (none at 0) after every step
+        del buffer[: max(0, len(buffer) - spec.query_buffer)]
+        return compressed
