@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvbench.methods.contexts import PrefillContext
 from kvbench.methods.decode_compression import DecodeCompression
 
 
@@ -47,3 +48,23 @@ class DecodeCompressor:
         # kvpress keeps the last hidden_states_buffer_size forwards (none at 0) after every step
         del buffer[: max(0, len(buffer) - spec.query_buffer)]
         return compressed
+
+
+def decode_context(layer, queries: torch.Tensor, target: int, layer_idx: int, num_layers: int, num_heads: int,
+                   scaling: float, rope_inv_freq: torch.Tensor | None = None,
+                   few_kernels: bool = False) -> PrefillContext:
+    """A decode-time compression's ``PrefillContext``: every entry the layer holds is the "prompt" (its rows' valid
+    entries their lengths), ``queries`` ``(B, Hq, m, D)`` the buffered recent queries (the newest ``m`` entries'),
+    ``target`` each row's capacity (at most what it holds). ``key_valid`` ``(B, n)``: an entry valid in some head of
+    its row (the method's scores are then masked per head by ``keep_top``'s own validity)."""
+    b, device = layer.keys.shape[0], layer.keys.device
+    valid = layer.valid
+    key_valid = None if valid is None else valid.any(1)
+    lens = [layer.num_entries] * b if valid is None else [int(x) for x in key_valid.sum(-1).tolist()]
+    caps = [min(target, n) for n in lens]
+    return PrefillContext(
+        layer_idx=layer_idx, num_layers=num_layers, num_heads=num_heads, num_kv_heads=layer.keys.shape[1],
+        scaling=scaling, queries=queries, key_valid=key_valid, prompt_lens=torch.tensor(lens, device=device),
+        capacity=torch.tensor(caps, device=device), rope_inv_freq=rope_inv_freq, plain_causal=False,
+        few_kernels=few_kernels, host=(lens, caps),
+    )

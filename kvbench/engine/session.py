@@ -41,7 +41,7 @@ from kvbench.engine.attention import (
 )
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
 from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versions_line
-from kvbench.engine.decode_compression import DecodeCompressor
+from kvbench.engine.decode_compression import DecodeCompressor, decode_context
 from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
 from kvbench.engine.rope import rotate_keys
@@ -674,26 +674,12 @@ class CompressionSession:
             return self._decode_compressor.spec.target(layer.seen, self.budget)
 
         def compress(queries: torch.Tensor, target: int) -> None:
-            self.method.compress_decoded(layer, self._decode_context(idx, layer, queries, scaling, target))
+            few = layer.keys.device.type == "cuda" if self.few_kernels is None else self.few_kernels
+            ctx = decode_context(layer, queries, target, self._method_index[idx], len(self.compressed),
+                                 self.num_heads, scaling, self.rope_inv_freq, few)
+            self.method.compress_decoded(layer, ctx)
 
         self._decode_compressor.after_step(idx, query, target_for, compress, self._decode_step + 1)
-
-    def _decode_context(self, idx: int, layer: KVLayer, queries: torch.Tensor, scaling: float,
-                        target: int) -> PrefillContext:
-        """A decode-time compression's ``PrefillContext``: every entry the layer holds is the "prompt" (its rows' valid
-        entries their lengths), ``queries`` the buffered recent queries, ``target`` each row's capacity."""
-        b, device = layer.keys.shape[0], layer.keys.device
-        valid = layer.valid
-        key_valid = None if valid is None else valid.any(1)  # (B, n): an entry valid in some head of its row
-        lens = [layer.num_entries] * b if valid is None else [int(x) for x in key_valid.sum(-1).tolist()]
-        caps = [min(target, n) for n in lens]
-        return PrefillContext(
-            layer_idx=self._method_index[idx], num_layers=len(self.compressed), num_heads=self.num_heads,
-            num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=queries, key_valid=key_valid,
-            prompt_lens=torch.tensor(lens, device=device), capacity=torch.tensor(caps, device=device),
-            rope_inv_freq=self.rope_inv_freq, plain_causal=False,
-            few_kernels=device.type == "cuda" if self.few_kernels is None else self.few_kernels, host=(lens, caps),
-        )
 
     def _record_prefill_stats(self, layers: list[KVLayer], check: bool) -> None:
         self.stats.resident_curve = []
