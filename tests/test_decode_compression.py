@@ -78,7 +78,8 @@ def test_methods_without_it_refuse_and_a_null_interval_is_nothing():
     with pytest.raises(ConfigError, match=r"method 'h2o' has no compression during decode .*methods with it: .*snapkv"):
         build_method({"name": "h2o", "decode_compression": {"interval": 64}}, parse_budget(128))
     plain = build_method({"name": "h2o"}, parse_budget(128)).describe()
-    assert build_method({"name": "h2o", "decode_compression": {"interval": None}}, parse_budget(128)).describe() == plain
+    null = {"name": "h2o", "decode_compression": {"interval": None}}
+    assert build_method(null, parse_budget(128)).describe() == plain
 
 
 @pytest.mark.parametrize(("cfg", "message"), [
@@ -134,7 +135,8 @@ def test_compressor_counts_buffers_and_trims_like_kvpress():
     comp = DecodeCompressor(DecodeCompression(interval=5, query_buffer=2))
     for step in range(1, 13):
         q = torch.full((1, 1, 1, 1), float(step))
-        comp.after_step(0, q, lambda: 10, lambda queries, target: seen.append((step, queries.flatten().tolist())), step)
+        comp.after_step(0, q, lambda: 10,
+                        lambda queries, target, step=step: seen.append((step, queries.flatten().tolist())), step)
     assert seen == [(5, [3.0, 4.0, 5.0]), (10, [8.0, 9.0, 10.0])]
     assert comp.compressions == {0: [5, 10]}
     zero = DecodeCompressor(DecodeCompression(interval=3, query_buffer=0))

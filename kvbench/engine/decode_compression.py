@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvbench.methods.contexts import PrefillContext
-from kvbench.methods.decode_compression import DecodeCompression
+from kvbench.methods.base import DecodeCompression, PrefillContext  # the method contract
 
 
 class DecodeCompressor:

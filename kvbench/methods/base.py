@@ -42,12 +42,12 @@ import torch
 from kvbench.budget import Budget, check_budget
 from kvbench.errors import ConfigError
 from kvbench.methods.contexts import DecodeContext, PrefillContext
+from kvbench.methods.decode_compression import DecodeCompression  # method.decode_compression, parsed
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
     from kvbench.engine.logits import TokenLogits
     from kvbench.engine.static import StaticPolicy
-    from kvbench.methods.decode_compression import DecodeCompression
 
 
 @dataclass
@@ -295,7 +295,7 @@ from kvbench.methods.cache_ops import (  # noqa: E402
 )
 
 __all__ = [
-    "GRANULARITY", "DecodeContext", "Method", "PrefillContext", "attend_with_column_sums", "check_choice",
-    "check_positive", "expand_to_query_heads", "host_ints", "keep_entries", "keep_top", "prompt_column_sums",
-    "real_rank", "to_query_heads", "unpadded_overflow",
+    "GRANULARITY", "DecodeCompression", "DecodeContext", "Method", "PrefillContext", "attend_with_column_sums",
+    "check_choice", "check_positive", "expand_to_query_heads", "host_ints", "keep_entries", "keep_top",
+    "prompt_column_sums", "real_rank", "to_query_heads", "unpadded_overflow",
 ]
