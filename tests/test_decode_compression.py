@@ -89,6 +89,8 @@ def test_methods_without_it_refuse_and_a_null_interval_is_nothing():
     ({"name": "chunkkv", "scorer": "expected_attention", "decode_compression": {"interval": 64}},
      r"scorer 'expected_attention' has no compression during decode"),
     ({"name": "adakv", "scorer_fields": {"decode_compression": {"interval": 8}}}, r"the wrapper's own field"),
+    ({"name": "think", "inner": {"name": "knorm", "decode_compression": {"interval": 8}}},
+     r"inner.decode_compression is not composed with ThinK"),
 ])
 def test_refusals(cfg, message):
     with pytest.raises(ConfigError, match=message):
@@ -247,3 +249,15 @@ def test_smollm2_4k_generation_stays_within_budget_plus_interval(smol):
                                                  new)
     assert len(out.tokens[0]) == new
     check_bounded(curve, measured, budget, interval, new)
+
+
+def test_job_records_carry_the_resident_curve(tmp_path):
+    """Through the runner: each record holds ``resident_kv_curve``, a saw-tooth at the interval."""
+    from helpers import run_job_in
+
+    _, records = run_job_in(tmp_path, ["model=tiny-random", "task=passkey", "task.context_lengths=[256]",
+                                       "task.depths=[50]", "budget=64", "method=knorm",
+                                       "method.decode_compression.interval=2"])
+    (record,) = records
+    assert record["new_tokens"] == 6
+    assert record["resident_kv_curve"] == [[0, 64], [1, 65], [2, 64], [3, 65], [4, 64], [5, 65]]
