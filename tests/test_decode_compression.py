@@ -261,3 +261,19 @@ def test_job_records_carry_the_resident_curve(tmp_path):
     (record,) = records
     assert record["new_tokens"] == 6
     assert record["resident_kv_curve"] == [[0, 64], [1, 65], [2, 64], [3, 65], [4, 64], [5, 65]]
+
+
+@pytest.mark.parametrize("fields", [{"name": "knorm"}, {"name": "snapkv", "window": 8},
+                                    {"name": "tova", "variant": "kvpress_prefill"},
+                                    {"name": "chunkkv", "chunk_length": 4, "scorer_fields": {"window": 8}}],
+                         ids=lambda f: f["name"])
+def test_batched_rows_equal_the_rows_alone(toy_llama, fields):
+    """A left-padded batch compresses each row on its own entries during decode, as alone: the same tokens."""
+    budget = parse_budget(48)
+    cfg = {**fields, "decode_compression": {"interval": 16}}
+    prompts = [[5 + i % 200 for i in range(70)], [9 + (7 * i) % 190 for i in range(50)]]
+    with CompressionSession(toy_llama, build_method(cfg, budget), budget):
+        both = greedy_generate(toy_llama, prompts, 60, [], 0).tokens
+    for row, prompt in enumerate(prompts):
+        with CompressionSession(toy_llama, build_method(cfg, budget), budget):
+            assert greedy_generate(toy_llama, [prompt], 60, [], 0).tokens[0] == both[row]
