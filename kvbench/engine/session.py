@@ -349,6 +349,9 @@ class CompressionSession:
         self._record_attended(attended, acts=idx in self._method_index)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
+        if idx == self._last_attention_layer:
+            self._decode_step += 1
+            self._record_resident(self._decode_step)
         return out, None
 
     # ---- the captured decode step (engine/graph.py) ----------------------------------------------------------------
@@ -406,6 +409,8 @@ class CompressionSession:
         for idx in self._attention_layers:
             self._layers[idx].seen += steps
         self.stats.decode_layer_calls += steps * len(self._attention_layers)
+        self._decode_step += steps
+        self._record_resident(self._decode_step)  # the static layers' slots (fixed while captured)
 
     def captured_attend(self, module, query, key, value, **kwargs):
         """A layer of the captured step: the step's key/value into a free slot, then the layer's static step. Pure
