@@ -45,13 +45,15 @@ def _masked_probs(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
 def window_attention(
     queries: torch.Tensor, keys: torch.Tensor, window: int, scaling: float, key_valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Attention of the last ``window`` queries over all keys, causal inside the window (SnapKV's observation).
+    """Attention of the last ``window`` queries over all keys, causal inside the window (SnapKV's observation). The
+    queries are those of the newest keys: the prompt's (as many as keys), or during decode the buffered recent ones
+    (fewer; ``methods.decode_compression``).
 
     Returns probabilities ``(B, Hq, window, n)`` in float32.
     """
     n = keys.shape[-2]
     num_kv = keys.shape[1]
-    q = grouped(queries[..., n - window :, :], num_kv)  # (B, Hkv, g, w, D)
+    q = grouped(queries[..., queries.shape[-2] - window :, :], num_kv)  # (B, Hkv, g, w, D)
     logits = torch.einsum("bhgqd,bhkd->bhgqk", q, keys) * scaling
     pos = torch.arange(n, device=keys.device)
     probs = _masked_probs(logits, pos[n - window :], pos, key_valid)

@@ -41,6 +41,7 @@ from kvbench.engine.attention import (
 )
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
 from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versions_line
+from kvbench.engine.decode_compression import DecodeCompressor, decode_context
 from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
 from kvbench.engine.rope import rotate_keys
@@ -72,6 +73,22 @@ class SessionStats:
     #: were counted (read once, here, not at every layer of every step)
     attended_entries_sum: int | torch.Tensor = 0
     decode_layer_calls: int = 0
+    #: resident KV over the generation: ``[decode step, entries per layer]`` (the mean over attention layers of the
+    #: entries each holds, slots of its longest (row, head); step 0: after prefill), kept piecewise linear: a point
+    #: only where the slope changes (a growing cache is 2 points, a saw-tooth 2 per compression), so records stay small
+    resident_curve: list[list[float]] = field(default_factory=list)
+
+    def add_resident_point(self, step: int, entries: float) -> None:
+        """One step's point of ``resident_curve``; the point before it is dropped when it lies on the line through its
+        neighbours (a constant or linear stretch keeps its ends only)."""
+        curve = self.resident_curve
+        point = [step, entries]
+        if len(curve) >= 2:
+            (s0, e0), (s1, e1) = curve[-2], curve[-1]
+            if (e1 - e0) * (step - s1) == (entries - e1) * (s1 - s0):
+                curve[-1] = point
+                return
+        curve.append(point)
 
     @property
     def attended_tokens_mean(self) -> float:
@@ -140,6 +157,11 @@ class CompressionSession:
         self._attached: set[int] = set()  # layers that attended through a KVLayer in the current forward
         self._checked_decode = False  # the first decode step's compression check ran (methods that act then)
         self._first_step_attended: list = []  # attended entries of the compressed layers at the first decode step
+        #: compression during decode (``Method.decode_compression_spec``, kvpress's DecodingPress): per-layer query
+        #: buffers and step counts, or None
+        spec = None if budget.is_full else method.decode_compression_spec()
+        self._decode_compressor = DecodeCompressor(spec) if spec is not None else None
+        self._decode_step = 0  # decode forwards of the current generation (the resident curve's x)
         self._inv_freq = self._rope_inv_freq() if position_mode == "compact" else None
         #: RoPE frequencies for methods that re-rotate keys (LM-Infinite's distance ceiling); None if not rotatable
         self.rope_inv_freq = self._inv_freq if self._inv_freq is not None else self._rope_inv_freq(strict=False)
@@ -231,6 +253,10 @@ class CompressionSession:
             self.__exit__()
             raise ConfigError("engine.compile=true does not run methods inside sliding windows (sliding_layers="
                               f"{self.sliding_policy}); use sliding_layers=window or engine.compile=false")
+        if self._decode_compressor is not None:
+            self.__exit__()
+            raise ConfigError(f"engine.compile=true: method {self.method.name!r} compresses during decode "
+                              "(decode_compression), which runs on the host-driven path; use engine.compile=false")
         if not self.budget.is_full and self.method.static_policy(1 << 30) is None:
             self.__exit__()
             raise ConfigError(
@@ -323,6 +349,9 @@ class CompressionSession:
         self._record_attended(attended, acts=idx in self._method_index)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
+        if idx == self._last_attention_layer:
+            self._decode_step += 1
+            self._record_resident(self._decode_step)
         return out, None
 
     # ---- the captured decode step (engine/graph.py) ----------------------------------------------------------------
@@ -380,6 +409,8 @@ class CompressionSession:
         for idx in self._attention_layers:
             self._layers[idx].seen += steps
         self.stats.decode_layer_calls += steps * len(self._attention_layers)
+        self._decode_step += steps
+        self._record_resident(self._decode_step)  # the static layers' slots (fixed while captured)
 
     def captured_attend(self, module, query, key, value, **kwargs):
         """A layer of the captured step: the step's key/value into a free slot, then the layer's static step. Pure
@@ -549,6 +580,9 @@ class CompressionSession:
             capacity = torch.tensor(caps, device=query.device)
             self._prompt = (key_valid, prompt_lens, capacity, (lens, caps))
             self.stats = SessionStats(prompt_lens=lens)
+            self._decode_step = 0
+            if self._decode_compressor is not None:
+                self._decode_compressor.reset()
             self._static.clear()
             self._first_step_attended = []
             self._check_budget_minimum()
@@ -629,7 +663,32 @@ class CompressionSession:
         if self.compile and (self.budget.is_full or not self.method.static_after_first_step()):
             self._to_static()
 
+    def _record_resident(self, step: int) -> None:
+        """The resident curve's point at ``step`` (host ints: the layers' lengths, no device read)."""
+        layers = [self._layers.get(i) for i in sorted(self._attention_layers)]
+        counts = [layer.num_entries for layer in layers if layer is not None]
+        if counts:
+            mean = sum(counts) / len(counts)
+            self.stats.add_resident_point(step, int(mean) if float(mean).is_integer() else round(mean, 2))
+
+    def _compress_during_decode(self, idx: int, layer: KVLayer, query: torch.Tensor, scaling: float) -> None:
+        """Buffer the step's queries of layer ``idx``; every ``interval`` steps the method compresses the layer
+        (``Method.compress_decoded``) over everything it holds, the buffer as the queries (kvpress DecodingPress)."""
+
+        def target_for() -> int:
+            return self._decode_compressor.spec.target(layer.seen, self.budget)
+
+        def compress(queries: torch.Tensor, target: int) -> None:
+            few = layer.keys.device.type == "cuda" if self.few_kernels is None else self.few_kernels
+            ctx = decode_context(layer, queries, target, self._method_index[idx], len(self.compressed),
+                                 self.num_heads, scaling, self.rope_inv_freq, few)
+            self.method.compress_decoded(layer, ctx)
+
+        self._decode_compressor.after_step(idx, query, target_for, compress, self._decode_step + 1)
+
     def _record_prefill_stats(self, layers: list[KVLayer], check: bool) -> None:
+        self.stats.resident_curve = []
+        self._record_resident(0)
         self.stats.resident_kv_bytes_after_prefill = sum(layer.resident_bytes() for layer in layers)
         # mean over KV heads of row 0 (heads can keep different numbers: KVMerger's ragged sets); one device read
         means = torch.stack([layer.valid_counts()[0].float().mean() for layer in layers]).tolist() if layers else []
@@ -723,8 +782,13 @@ class CompressionSession:
         self._record_attended(attended, acts)
         if acts:
             self.method.decode(layer, ctx)
+            if self._decode_compressor is not None:
+                self._compress_during_decode(idx, layer, query, scaling)
         if spec.sliding:
             self._bound_to_window(layer, spec.window, untouched=not acts)
+        if idx == self._last_attention_layer:
+            self._decode_step += 1
+            self._record_resident(self._decode_step)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
         if self._static_pending and idx == self._last_attention_layer:  # static_after_first_step: from the next step

@@ -313,6 +313,9 @@ def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, question:
         return f"task {task.name!r} runs its own forwards (teacher forcing or its own generation loop)"
     if cfg.position_mode == "compact":
         return "position_mode=compact re-rotates the kept keys at every step on the host"
+    if not budget.is_full and method.decode_compression_spec() is not None:
+        return (f"method {method.name!r} compresses during decode (decode_compression), which runs on the host-driven "
+                "path (a periodic compression is not a captured function yet)")
     if not budget.is_full and method.static_policy(1 << 30) is None:
         return f"method {method.name!r} has no captured decode step ({method.static_refusal()})"
     return None

@@ -279,6 +279,9 @@ def _run_batch(job: Job, batch: list, loaded: Any, new_session: Any, answerer: A
             "resident_kv_bytes_final": out.resident_kv_bytes_final // len(batch),
             "layer_entries": stats.layer_entries_after_prefill,
             "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
+            # [decode step, entries per layer] where the slope changes (SessionStats.resident_curve): a saw-tooth
+            # under decode_compression, two points for a cache that only grows
+            "resident_kv_curve": stats.resident_curve,
         }
         if rows is not None:  # sampled: where the row comes from, its seed, and the answer maj@n votes with
             record.update(sample_of=rows[row].sample_of, sample_index=rows[row].index, seed=rows[row].seed,

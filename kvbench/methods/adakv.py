@@ -122,6 +122,10 @@ class AdaKV(ScorerWrapper):
             raise ConfigError(f"method 'adakv': alpha_safeguard={self.alpha_safeguard} must be in [0, 1]")
         check_choice("adakv", "layout", self.layout, LAYOUTS)
         check_choice("adakv", "allocation", self.allocation, ALLOCATIONS)
+        if self.decode_compression_spec() is not None and self.layout != "padded":
+            raise ConfigError(f"method 'adakv': decode_compression evicts from caches of one (B, H, n, D) tensor; "
+                              f"layout={self.layout!r} cannot (ragged heads are flat, kvpress_mask frees nothing); use "
+                              "layout=padded")
         self._stats: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (kept, allocated) entries per row
 
     def expected_compression(self, budget, prompt_len: int, num_layers: int) -> str:

@@ -42,6 +42,7 @@ import torch
 from kvbench.budget import Budget, check_budget
 from kvbench.errors import ConfigError
 from kvbench.methods.contexts import DecodeContext, PrefillContext
+from kvbench.methods.decode_compression import DecodeCompression  # method.decode_compression, parsed
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -223,11 +224,34 @@ class Method:
         set by its own fields rather than the budget (POD's window) returns a label of those."""
         return None
 
+    def decode_compression_spec(self) -> DecodeCompression | None:
+        """The configured compression during decode (``methods.decode_compression``; ``method.decode_compression``
+        of the methods with a prefill score), or None (default: off). The engine keeps each layer's buffer of recent
+        queries and calls ``compress_decoded`` every ``interval`` decode steps."""
+        return None
+
+    def compress_decoded(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        """Compress ``layer`` during decode (``decode_compression_spec``) as the method compresses a prompt: ``ctx`` is
+        a ``PrefillContext`` over every entry the layer holds, ``ctx.queries`` ``(B, Hq, m, D)`` the buffered recent
+        post-RoPE queries (the newest ``m`` entries' own), ``ctx.capacity`` the target. Only methods with a decode
+        compression are called."""
+        from kvbench.errors import NotAvailableError
+
+        raise NotAvailableError(f"method {self.name!r} has no compression during decode")
+
     def describe(self) -> dict:
         """Hyperparameters as data (stored in meta.json)."""
         from dataclasses import asdict
 
         fields = {k: v for k, v in asdict(self).items() if k not in self.key_omitted or v != self.key_omitted[k]}
+        if "decode_compression" in fields:  # off: left out (results stored before it existed keep their key)
+            from kvbench.methods.decode_compression import describe_decode_compression
+
+            described = describe_decode_compression(self.decode_compression_spec())
+            if described is None:
+                del fields["decode_compression"]
+            else:
+                fields["decode_compression"] = described
         return {"name": self.name, **fields}
 
     def sample_stats(self, row: int) -> dict:
@@ -271,7 +295,7 @@ from kvbench.methods.cache_ops import (  # noqa: E402
 )
 
 __all__ = [
-    "GRANULARITY", "DecodeContext", "Method", "PrefillContext", "attend_with_column_sums", "check_choice",
-    "check_positive", "expand_to_query_heads", "host_ints", "keep_entries", "keep_top", "prompt_column_sums",
-    "real_rank", "to_query_heads", "unpadded_overflow",
+    "GRANULARITY", "DecodeCompression", "DecodeContext", "Method", "PrefillContext", "attend_with_column_sums",
+    "check_choice", "check_positive", "expand_to_query_heads", "host_ints", "keep_entries", "keep_top",
+    "prompt_column_sums", "real_rank", "to_query_heads", "unpadded_overflow",
 ]

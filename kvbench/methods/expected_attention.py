@@ -92,6 +92,11 @@ class ExpectedAttention(ScorerMethod):
             raise ConfigError(f"method 'expected_attention': n_sink={self.n_sink} and epsilon={self.epsilon} must be "
                               ">= 0")
 
+    #: its statistics are those of the prompt's queries at their own positions, the future the positions after the
+    #: prompt; a buffer of decode queries is another estimate (kvpress's decode reading is not reproduced here yet)
+    decode_refusal: ClassVar[str | None] = ("its query statistics are the prompt's, at the prompt's positions; the "
+                                            "decode-time reading over a query buffer is not implemented")
+
     def min_budget_tokens(self) -> int:
         return self.n_sink + 1
 

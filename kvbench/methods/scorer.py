@@ -15,7 +15,10 @@ base (``ScorerMethod``) gives, around the subclass's ``score``:
   ``observation_window() + 1`` tokens per layer (``min_budget_tokens``);
 * the per-layer budget: ``layer_capacity(ctx)`` (default the budget, the same in every layer; PyramidKV's pyramid);
 * the scoring interface the wrappers select through (``prefill_scores``: AdaKV across heads, ChunkKV across chunks),
-  the same scores ``prefill`` selects with.
+  the same scores ``prefill`` selects with;
+* compression during decode (``decode_compression``, kvpress's ``DecodingPress``; ``methods.decode_compression``):
+  every ``interval`` decode steps the engine calls ``compress_decoded``, which is ``prefill`` over every entry the
+  layer holds with the buffered recent queries as ``ctx.queries``: the same score and the same ``keep_top``.
 
 A method whose prefill does more than "score, then keep the top" (H2O keeps its accumulated attention for decoding;
 CaM merges the evicted values; KeyDiff's block mode scores blocks in sequence) overrides ``prefill`` or stays on
@@ -25,13 +28,20 @@ CaM merges the evicted values; KeyDiff's block mode scores blocks in sequence) o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvbench.errors import ConfigError
 from kvbench.methods.base import GRANULARITY, Method, PrefillContext, check_choice, keep_top, to_query_heads
+from kvbench.methods.decode_compression import (
+    DecodeCompression,
+    check_decode_compression,
+    parse_decode_compression,
+)
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
+    from kvbench.budget import Budget
     from kvbench.engine.cache import KVLayer
 
 
@@ -52,6 +62,11 @@ class ScorerMethod(Method):
 
     name: ClassVar[str] = "scorer"
     compression: ClassVar[str] = "prefill"
+    #: compression during decode (``methods.decode_compression``): None or a mapping with ``interval`` (null: off),
+    #: ``target_size``, ``compression_ratio``, ``query_buffer``; left out of ``describe()`` when off
+    decode_compression: dict[str, Any] | None = None
+    #: why ``decode_compression`` is refused for this scorer (None: its score takes buffered decode queries)
+    decode_refusal: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -61,6 +76,24 @@ class ScorerMethod(Method):
     def __post_init__(self) -> None:
         if hasattr(self, "granularity"):
             check_choice(self.name, "granularity", self.granularity, GRANULARITY)
+        self.decode_compression_spec()  # its one-line errors at build time
+
+    def decode_compression_spec(self) -> DecodeCompression | None:
+        return parse_decode_compression(self.name, self.decode_compression)
+
+    def validate(self, budget: Budget) -> None:
+        super().validate(budget)
+        spec = self.decode_compression_spec()
+        if spec is not None and self.decode_refusal is not None:
+            raise ConfigError(f"method {self.name!r} has no compression during decode: {self.decode_refusal}; use "
+                              "decode_compression.interval=null")
+        if spec is not None and not self.scores_available():
+            raise ConfigError(f"method {self.name!r} (with these fields) exposes no per-entry scores: it has no "
+                              "compression during decode; use decode_compression.interval=null")
+        check_decode_compression(self, spec, budget, self.observation_window(), self.min_budget_tokens())
+
+    def compress_decoded(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        self.prefill(layer, ctx)
 
     def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         """Per-entry scores ``(B, H, n)`` or ``(B, Hq, n)`` of the layer's prompt (see the class docstring)."""

@@ -19,6 +19,11 @@ from kvbench.budget import Budget
 from kvbench.errors import ConfigError
 from kvbench.methods.base import Method, PrefillContext, scorer_names
 from kvbench.methods.catalog import WRAPPERS, compose_method_name  # noqa: F401  (WRAPPERS: re-exported)
+from kvbench.methods.decode_compression import (
+    DecodeCompression,
+    check_decode_compression,
+    parse_decode_compression,
+)
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -32,6 +37,9 @@ class ScorerWrapper(Method):
     compression: ClassVar[str] = "prefill"
     scorer: str = "snapkv"
     scorer_fields: dict[str, Any] = field(default_factory=dict)
+    #: compression during decode with the wrapper's own allocation over the scorer's scores
+    #: (``methods.decode_compression``); left out of ``describe()`` when off
+    decode_compression: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         from kvbench.methods.catalog import METHODS
@@ -41,18 +49,34 @@ class ScorerWrapper(Method):
             raise ConfigError(f"method {base!r}: scorer={self.scorer!r} is not a method; scorers: "
                               f"{', '.join(scorer_names())}")
         fields = dict(self.scorer_fields or {})
+        if "decode_compression" in fields:
+            raise ConfigError(f"method {base!r}: scorer_fields.decode_compression is the wrapper's own field; set "
+                              f"method.decode_compression instead")
         self._scorer: Method = METHODS.build(self.scorer, fields)
         if not self._scorer.scores_available():
             raise ConfigError(f"method {base!r}: scorer={self.scorer!r} (with {fields or 'its defaults'}) exposes no "
                               f"per-entry prefill scores; scorers: {', '.join(scorer_names())}")
         # the scorer's resolved fields: the key changes when a scorer default does
         self.scorer_fields = {f.name: getattr(self._scorer, f.name) for f in dataclasses.fields(self._scorer)
-                              if f.init and not f.name.startswith("_")}
+                              if f.init and not f.name.startswith("_") and f.name != "decode_compression"}
         self.name = compose_method_name(base, self.scorer)
+        self.decode_compression_spec()  # its one-line errors at build time
+
+    def decode_compression_spec(self) -> DecodeCompression | None:
+        return parse_decode_compression(self.name, self.decode_compression)
+
+    def compress_decoded(self, layer: KVLayer, ctx: PrefillContext) -> None:
+        self.prefill(layer, ctx)
 
     def validate(self, budget: Budget) -> None:
         super().validate(budget)
         self._scorer.validate(budget)
+        refusal = getattr(self._scorer, "decode_refusal", None)
+        if self.decode_compression_spec() is not None and refusal is not None:
+            raise ConfigError(f"method {self.name!r}: scorer {self.scorer!r} has no compression during decode: "
+                              f"{refusal}; use decode_compression.interval=null")
+        window = getattr(self._scorer, "observation_window", lambda: 0)()
+        check_decode_compression(self, self.decode_compression_spec(), budget, window, self.min_budget_tokens())
 
     def min_budget_tokens(self) -> int:
         return self._scorer.min_budget_tokens()

@@ -102,6 +102,9 @@ class ThinK(Method):
                               "(inner.name=snapkv, pyramidkv, h2o, ...)")
         self.inner = {"name": name, **spec}
         self._inner: Method = METHODS.build(name, spec)
+        if self._inner.decode_compression_spec() is not None:  # ThinK's pruned key channels: not composed with it
+            raise ConfigError(f"method 'think': inner.decode_compression is not composed with ThinK's key-channel "
+                              f"pruning; use inner.decode_compression.interval=null or method={name}")
         cls = type(self._inner)
         if cls.attend is not Method.attend or cls.select is not Method.select:
             raise ConfigError(f"method 'think': inner={name!r} computes its own decode attention over full keys; "

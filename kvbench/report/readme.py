@@ -135,6 +135,8 @@ def defaults(name: str, root: Path) -> str:
     conf = yaml.safe_load((root / "conf" / "method" / f"{name}.yaml").read_text(encoding="utf-8")) or {}
     instance = METHODS.build(name, {k: v for k, v in conf.items() if k != "name"})
     fields = [f.name for f in dataclasses.fields(instance) if f.init and not f.name.startswith("_")]
+    if "decode_compression" in fields and instance.decode_compression_spec() is None:
+        fields.remove("decode_compression")  # off: prefill-only (docs/methods.md, "Compression during decode")
     return ", ".join(f"`{f}={_value(getattr(instance, f))}`" for f in fields) or "—"
 
 

@@ -184,3 +184,43 @@ def byte_encode(text: str) -> list[int]:
 
 def kvzip_prompt(n: int, seed: int) -> list[int]:
     return [int(x) for x in np.random.RandomState(seed).randint(3, 253, size=n)]
+
+
+# ---- decoding: kvpress DecodingPress around a scorer, one attention layer over a generation -------------------------
+#: (query heads, KV heads, head dim, prompt tokens, decode steps, interval, target_size, query buffer)
+DECODING_SHAPES = [
+    (4, 4, 16, 40, 70, 16, 48, 128),   # MHA; buffer longer than the interval (every step since the last compression)
+    (8, 2, 32, 60, 90, 20, 50, 6),     # GQA 4:1; buffer 6 < interval: 7 queries score (kvpress trims after appending)
+    (4, 2, 16, 30, 50, 12, 24, 0),     # prompt above the target from the start; buffer 0: the current query alone
+]
+#: the presses the generator wraps (kvbench method fields of the same scorer in the test)
+DECODING_PRESSES = ["knorm", "keydiff", "tova", "snapkv"]
+#: SnapKV's window and kernel in these cases (kvpress SnapKVPress(window_size, kernel_size); kvbench pooling=avg)
+DECODING_SNAPKV = (4, 5)
+
+
+def decoding_case(index: int, seed: int) -> dict:
+    hq, hkv, d, n, steps, interval, target, buffer = DECODING_SHAPES[index]
+    return {"index": index, "seed": seed, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "n": n, "steps": steps,
+            "interval": interval, "target_size": target, "query_buffer": buffer}
+
+
+def decoding_inputs(case: dict) -> dict[str, np.ndarray]:
+    """The prompt's keys/values ``(1, Hkv, n, D)`` and, per decode step, its query ``(1, Hq, 1, D)`` and key/value
+    ``(1, Hkv, 1, D)`` (stacked over steps on axis 2), float32. Values carry their position in channel 0 (the generator
+    reads kvpress's kept positions back from them; no scorer here reads values)."""
+    rng = np.random.RandomState(case["seed"])
+    hq, hkv, d, n, steps = case["q_heads"], case["kv_heads"], case["head_dim"], case["n"], case["steps"]
+    total = n + steps
+    keys = (rng.standard_normal((1, hkv, total, d)) * rng.uniform(0.5, 1.5, (1, hkv, total, 1))
+            + rng.standard_normal((1, hkv, 1, d))).astype(np.float32)
+    values = rng.standard_normal((1, hkv, total, d)).astype(np.float32)
+    values[..., 0] = np.arange(total, dtype=np.float32)
+    queries = rng.standard_normal((1, hq, steps, d)).astype(np.float32)
+    return {"keys": keys, "values": values, "queries": queries}
+
+
+def decoding_applies(case: dict, press: str) -> bool:
+    """Whether the press can score this case's buffer: SnapKV needs more queries than its window."""
+    queries = min(case["interval"], case["query_buffer"] + 1)
+    return press != "snapkv" or queries > DECODING_SNAPKV[0]
