@@ -199,11 +199,15 @@ def test_every_bench_config_expands(tmp_path, name):
 
     cfg = _cfg(tmp_path, f"bench={name}")
     cells = expand(cfg.bench)
-    assert cells and all(c["method"] in METHODS.names() for c in cells if not c.get("peer"))
+    assert cells and all(c["config"] in METHODS.names() for c in cells if not c.get("peer"))  # a variant's method
     assert all(c["method"].startswith("transformers_") for c in cells if c.get("peer"))  # the peers: plain generate
     if name == "d2o_table12":  # 256+512 ... 2048+4096: generation twice the prompt
         assert [(c["context_length"], c["new_tokens"]) for c in cells] == [(256, 512), (512, 1024), (1024, 2048),
                                                                             (2048, 4096)]
+    if name == "long_generation":  # 1k + 8k, FullKV beside methods compressing during decode (issue #40)
+        assert {c["method"] for c in cells} == {"fullkv", "snapkv_decode128", "knorm_decode128", "rkv"}
+        assert all((c["context_length"], c["new_tokens"]) == (1024, 8192) for c in cells)
+        assert {c["overrides"]["decode_compression"]["interval"] for c in cells if c["method"].endswith("128")} == {128}
     if name == "d2o_table13":
         assert {(c["method"], c["context_length"]) for c in cells} == {(m, n) for m in ("h2o", "d2o")
                                                                         for n in (512, 2048)}

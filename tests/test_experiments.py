@@ -552,3 +552,30 @@ def test_cpu_miniature_plans_enough_samples_for_every_claim(planner):
                      for t in (1000, 2000)]
             assert abs(sum(share) / 2 - ratio) <= 0.03, (budget, share, ratio)
             assert min(share) > 512 / 1000  # above any token budget's share here: no window matches StreamingLLM's
+
+
+def test_reasoning_math_plans_both_models_tasks_and_decode_compressing_methods(planner):
+    """conf/experiment/reasoning_math.yaml (issue #40): MATH-500 and AIME25 on DeepSeek-R1-Distill-Qwen-7B and
+    Qwen3-8B, sampled as TriAttention samples (temperature 0.6, top-p 0.95, each model's top-k, n = 8 for AIME and 1
+    for MATH-500); every compressing job compresses during decode every 128 tokens at budgets 1024-4096 (and two
+    ratios for SnapKV and K-norm); FullKV once per model and task."""
+    jobs = plan_experiment(planner, "reasoning_math")
+    invalid = [f"{j.label}: {j.detail}" for j in jobs if j.status == "invalid"]
+    assert not invalid, invalid
+    assert len(jobs) == 92
+    assert {j.model for j in jobs} == {"deepseek-r1-distill-qwen-7b", "qwen3-8b"}
+    assert {j.task for j in jobs} == {"math500", "aime25"}
+    for job in jobs:
+        top_k = {"deepseek-r1-distill-qwen-7b": 50, "qwen3-8b": 20}[job.model]
+        assert job.cfg.sampling.top_k == top_k
+        task = job.cfg.task
+        assert (task.sampling.temperature, task.sampling.top_p, task.sampling.n) == (
+            0.6, 0.95, 8 if job.task == "aime25" else 1)
+        if job.method == "fullkv":
+            assert job.budget == "full"
+            continue
+        assert job.cfg.method.decode_compression.interval == 128, job.label
+        assert job.budget in ({"1024", "2048", "4096", "0.25", "0.5"} if job.cfg.method.name in ("snapkv", "knorm")
+                              else {"1024", "2048", "4096"}), job.label
+    assert sum(j.method == "fullkv" for j in jobs) == 4
+    assert {j.cfg.method.decode_compression.query_buffer for j in jobs if j.method == "rkv"} == {8}

@@ -40,6 +40,10 @@ class CellResult:
     decode_tokens_per_s: float | None = None  # batch rows x steps / decode seconds
     decode_steps: int | None = None
     resident_kv_bytes_final: int | None = None
+    #: resident KV over the last measured decode: ``[step, entries per layer]`` where the slope changes
+    #: (``SessionStats.resident_curve``; a saw-tooth under decode-time compression), and its peak in bytes, all rows
+    resident_kv_curve: list[list[float]] | None = None
+    resident_kv_bytes_decode_max: int | None = None
     prefill_baseline_seconds: float | None = None  # paired cells: the baseline's median, timed alternately
     prefill_baseline_seconds_all: list[float] | None = None
     prefill_ratio_paired: float | None = None  # median of (method / baseline) over the pairs
@@ -229,6 +233,12 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
             result.decode_tokens_per_s = round(batch_size * 1000 / ms, 3)
             result.decode_steps = outs[-1].decode_steps
         result.resident_kv_bytes_final = outs[-1].resident_kv_bytes_final
+        curve = session.stats.resident_curve
+        if curve:
+            result.resident_kv_curve = curve
+            peak = max(entries for _, entries in curve)  # entries per layer (mean over layers), longest row / head
+            result.resident_kv_bytes_decode_max = round(peak * loaded.num_layers * batch_size * loaded.num_kv_heads
+                                                        * loaded.kv_bytes_per_token())
         if result.resident_kv_bytes is None:
             result.resident_kv_bytes = session.stats.resident_kv_bytes_after_prefill
         release_slot_pool(model)  # the captured decode's buffers stay out of the next cell's memory

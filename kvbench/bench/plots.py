@@ -6,6 +6,9 @@
   length, one line per method@budget (and batch size), where a metric was measured at two or more lengths
   (D2O Table 12, OmniKV Figure 4).
 * ``max_batch``: the largest batch per method@budget and context length (D2O Table 5, POD Table 2).
+* ``resident_over_decode``: resident KV entries per layer against the decode step, one line per method@budget (and
+  batch size), a panel per context length, from each decode row's ``resident_kv_curve`` (long generations: a
+  saw-tooth under decode-time compression, a rising line for FullKV).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def plot_bench(rows: list[dict[str, Any]], verdicts: list[dict[str, Any]], out: 
     paths = targets_plot(verdicts, out, title)
     paths += context_curves(rows, out, title)
     paths += max_batch_plot(rows, out, title)
+    paths += resident_curves(rows, out, title)
     return paths
 
 
@@ -119,3 +123,24 @@ def max_batch_plot(rows: list[dict[str, Any]], out: Path, title: str) -> list[Pa
     ax.legend(fontsize=7)
     fig.tight_layout()
     return save(fig, out, "max_batch")
+
+
+def resident_curves(rows: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
+    cells = [r for r in rows if r.get("resident_kv_curve") and len(r["resident_kv_curve"]) >= 2]
+    if not cells:
+        return []
+    plt = _plt()
+    lengths = sorted({r["context_length"] for r in cells})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths), 3.4), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for r in (r for r in cells if r["context_length"] == length):
+            label = f"{r['method']}@{r['budget']}" + (f" x{r['batch_size']}" if r["batch_size"] != 1 else "")
+            steps, entries = zip(*r["resident_kv_curve"])
+            ax.plot(steps, entries, label=label, color=colour(r["method"]),
+                    linestyle="--" if r["method"] == "fullkv" else "-", linewidth=1)
+        ax.set_xlabel("decode step")
+        ax.set_ylabel("resident KV (entries per layer)")
+        ax.set_title(f"{title}, {length}-token prompt", fontsize=8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save(fig, out, "resident_over_decode")
