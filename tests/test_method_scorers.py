@@ -18,7 +18,7 @@ from kvbench.methods.base import scorer_names
 from kvbench.methods.chunkkv import chunk_keep
 from kvbench.report.store import method_label
 
-SCORERS = ["snapkv", "pyramidkv", "h2o", "knorm", "keydiff", "tova", "expected_attention"]
+SCORERS = ["snapkv", "pyramidkv", "h2o", "knorm", "keydiff", "tova", "expected_attention", "rkv"]
 
 
 def _inputs(b=1, hq=4, hkv=2, n=48, d=16, seed=0):

@@ -118,10 +118,10 @@ BAD = [
     (["method=h2o", "method.recent_ratio=1.5"], "recent_ratio=1.5 must be in (0, 1)"),
     (["seed=abc"], "seed='abc' must be an integer"),
     # a field the chosen method/model/task lacks: Hydra's multi-line struct error (exit 1) without the precheck
-    (["method.nosuchfield=3"], "method 'snapkv' has no field nosuchfield; valid fields: granularity, group_agg, "
-                               "kernel, pooling, window"),
-    (["+method.nosuchfield=3"], "method 'snapkv' has no field(s) nosuchfield; valid fields: granularity, "
-                                "group_agg, kernel, pooling, window"),
+    (["method.nosuchfield=3"], "method 'snapkv' has no field nosuchfield; valid fields: decode_compression, "
+                               "granularity, group_agg, kernel, pooling, window"),
+    (["+method.nosuchfield=3"], "method 'snapkv' has no field(s) nosuchfield; valid fields: decode_compression, "
+                                "granularity, group_agg, kernel, pooling, window"),
     (["method=h2o", "~method.nosuch"], "method 'h2o' has no field nosuch; valid fields: "),
     (["+method.window=3"], "method 'snapkv' already has field window; set it without the '+' (method.window=...)"),
     (["-m", "method=h2o,fullkv", "method.window=16"], "method 'fullkv' has no field window; valid fields: (none)"),
