@@ -342,6 +342,11 @@ class TestGrading:
         assert task.majority_key("nothing here", sample) == ""
         assert task.majority_key("\\boxed{1,000}", sample) == task.majority_key("\\boxed{1000}", sample) == "1000"
         assert task.majority_key("\\boxed{3}", sample) != task.majority_key("\\boxed{4}", sample)
+        # an assignment votes as its value (math-verify calls x=5 and 5 equal); a real equation stays whole
+        assert task.majority_key("\\boxed{x=5}", sample) == task.majority_key("\\boxed{5}", sample) == "5"
+        assert task.majority_key("\\boxed{y = \\frac{1}{2}}", sample) == task.majority_key("\\boxed{0.5}", sample)
+        assert task.majority_key("\\boxed{x^2=4}", sample) not in ("4", "")
+        assert task.majority_key("\\boxed{x = x + 1}", sample) != task.majority_key("\\boxed{x + 1}", sample)
 
     def test_aggregate(self):
         records = [{"score": 1.0}, {"score": 0.0}, {"score": 1.0}, {"score": 1.0}]

@@ -102,7 +102,19 @@ def canonical_answer(prediction_text: str | None) -> str:
     predicted = parse_prediction(prediction_text)
     if not predicted:
         return ""
-    return str(predicted[0]).strip()
+    return str(_unassigned(predicted[0])).strip()
+
+
+def _unassigned(value):
+    """``x = 5`` -> ``5``: an equation whose left side is a lone symbol absent from its right side votes as its value
+    (math-verify's ``verify`` calls ``x=5`` and ``5`` equal, so maj@n must count them as one answer); other equations
+    (``x^2 = 4``) and relations stay whole."""
+    import sympy
+
+    if isinstance(value, sympy.Equality) and isinstance(value.lhs, sympy.Symbol) and \
+            value.lhs not in getattr(value.rhs, "free_symbols", set()):
+        return value.rhs
+    return value
 
 
 __all__ = ["MATH_VERIFY_VERSION", "THINK_MODES", "answer_region", "canonical_answer", "is_correct",
