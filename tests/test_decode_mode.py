@@ -73,6 +73,8 @@ def test_auto_captures_on_cuda_where_the_job_can(on_cuda, caplog):
     lines = [r.getMessage() for r in caplog.records if "engine.decode=auto" in r.getMessage()]
     assert len(lines) == 1 and "method 'cam' has no captured decode step" in lines[0]
     assert plan_job(_cfg("model=tiny-random", "task=pg19")).decode == "eager"
+    assert plan_job(_cfg("model=tiny-random", "task=longbench_v2", "task.cot=true")).decode == "eager"
+    assert plan_job(_cfg("model=tiny-random", "task=longbench_v2", "task.cot=false")).decode == "graph"
     assert plan_job(_cfg("model=tiny-random", "question=after_compression", "task=passkey")).decode == "eager"
 
 

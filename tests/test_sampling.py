@@ -196,6 +196,14 @@ def test_bad_sampling_is_refused_in_one_line_at_plan_time(overrides, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_task_whose_loop_depends_on_a_field_samples_where_the_runner_generates():
+    """LongBench v2 runs its own two requests only with its CoT: without it the runner generates and may sample."""
+    job = plan_job(_cfg("model=tiny-random", "task=longbench_v2", "task.cot=false", "sampling.temperature=0.7"))
+    assert job.key["sampling"]["temperature"] == 0.7
+    with pytest.raises(ConfigError, match="task 'longbench_v2' runs its own evaluation loop"):
+        plan_job(_cfg("model=tiny-random", "task=longbench_v2", "task.cot=true", "sampling.temperature=0.7"))
+
+
 def test_the_command_line_refuses_bad_sampling_with_exit_2(tmp_path):
     env = {**os.environ, "KVBENCH_RESULTS_DIR": str(tmp_path), "KVBENCH_FAULT": "model_load:1"}
     proc = subprocess.run([sys.executable, "-m", "kvbench.run", "model=tiny-random", "sampling.temperature=0.7",

@@ -117,7 +117,6 @@ def resolve_sampling(cfg: DictConfig, task: Any, question: str = "with_context")
     import dataclasses
 
     from kvbench.engine.sampling import Sampling, invalid
-    from kvbench.tasks.base import Task
 
     declared = getattr(task, "sampling", None) or {}
     given = cfg.get("sampling") or {}
@@ -147,7 +146,7 @@ def resolve_sampling(cfg: DictConfig, task: Any, question: str = "with_context")
     problem = invalid(*(settings[name] for name in SAMPLING_FIELDS))
     if problem:
         raise ConfigError(problem)
-    if type(task).evaluate is not Task.evaluate:
+    if task.own_loop():
         raise ConfigError(f"task {task.name!r} runs its own evaluation loop (teacher forcing or its own requests), "
                           "which decodes greedily; sampling applies to generated tasks: drop the sampling settings")
     if question != "with_context":
@@ -304,12 +303,11 @@ def resolve_decode(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec
 
 def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, question: str) -> str | None:
     """Why this job's decode cannot be one captured step per token, or None."""
-    from kvbench.tasks.base import Task
 
     if question != "with_context":
         return ("question=after_compression feeds a multi-token forward after prefill, which the captured decode "
                 "step does not take")
-    if type(task).evaluate is not Task.evaluate:
+    if task.own_loop():
         return f"task {task.name!r} runs its own forwards (teacher forcing or its own generation loop)"
     if cfg.position_mode == "compact":
         return "position_mode=compact re-rotates the kept keys at every step on the host"

@@ -126,6 +126,12 @@ class Task(ABC):
         """
         return None
 
+    def own_loop(self) -> bool:
+        """Whether this instance evaluates with its own loop (``evaluate`` returns records) rather than the runner's
+        generation: such a job decodes greedily and on the host-driven path. Default: the class overrides
+        ``evaluate``; a task whose loop depends on its fields (LongBench v2's ``cot``) says so per instance."""
+        return type(self).evaluate is not Task.evaluate
+
     def postprocess(self, prediction: str, sample: Sample) -> str:
         """Official post-processing of a raw generation before scoring (default: strip)."""
         return prediction.strip()

@@ -126,6 +126,10 @@ class LongBenchV2Task(Task):
         return tokenizer.decode(truncate_ids(ids, max_tokens), skip_special_tokens=True)
 
     # ---- the CoT's two requests ----
+    def own_loop(self) -> bool:
+        """Only the CoT runs its own two requests; without it the runner generates (and may sample)."""
+        return self.cot
+
     def evaluate(self, batch: list[Sample], answerer: Answerer) -> list[dict[str, Any]] | None:
         """None without CoT (the runner generates and scores). With CoT: the first request (the document, under the
         job's method and budget), then the answer request (no document: a FullKV pass with the full cache, see
