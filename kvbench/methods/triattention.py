@@ -1,8 +1,9 @@
 """TriAttention: keep the keys whose trigonometric (frequency-domain) score against calibrated query statistics is
 highest, one kept set per KV head for every layer, compressed during decoding (reasoning traces).
 
-Mao et al., TriAttention, code WeianMao/triattention at c3744ee (``triattention/methods/triattention.py``,
-``triattention/methods/pruning_utils.py``, ``scripts/calibrate.py``, ``scripts/cli.py``, ``scripts/worker.py``).
+Mao et al., "TriAttention: Efficient Long Reasoning with Trigonometric KV Compression" (arXiv:2604.04921), code
+WeianMao/triattention at c3744ee (``triattention/methods/triattention.py``, ``triattention/methods/pruning_utils.py``,
+``scripts/calibrate.py``, ``scripts/cli.py``, ``scripts/worker.py``).
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ class TriAttention(Method):
     """
 
     name: ClassVar[str] = "triattention"
+    #: where it acts (the methods table): ``finish_prefill`` only starts a generation's bookkeeping
+    acts_as: ClassVar[str] = "after every decode forward, over all layers (once the cache holds budget + divide_length)"
     compression: ClassVar[str] = "none"  # compresses only once decoding filled budget + divide_length entries
     supports_batching: ClassVar[bool] = False
     decode_state_outside_cache: ClassVar[bool] = True  # the code's stored order and the noise generator
