@@ -26,7 +26,7 @@ from packaging.version import Version
 
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, KVCache, compat, greedy_generate
-from kvbench.errors import CompressionInactiveError
+from kvbench.errors import CompressionInactiveError, ConfigError
 from kvbench.methods import METHODS, build_method
 
 pytestmark = pytest.mark.compat  # also run on the lowest supported transformers and torch (.ci/run)
@@ -400,6 +400,12 @@ def test_the_cache_holds_what_the_budget_says_on_gemma3(gemma, gemma_prompt, met
     n = len(gemma_prompt)
     if method in RECONSTRUCTS:
         pytest.skip("KVzip on Gemma 3: not run (kvpress refuses Gemma3ForCausalLM; kvbench's reading untested there)")
+    if method in COMPRESSES_LATER:  # one set for every layer: statistics of Gemma's 18 layers, 3 compressed, refused
+        from helpers import triattention_stats
+
+        with pytest.raises(ConfigError, match="holds statistics of a model with 18 layers, kvbench compresses 3"):
+            _generate(gemma.model, method, BUDGET, gemma_prompt, stats_path=triattention_stats(gemma.model))
+        return
     stats, out = _generate(gemma.model, method, None if method == "fullkv" else BUDGET, gemma_prompt,
                            **GEMMA_FIELDS.get(method, {}))
     steps = out.decode_steps

@@ -223,7 +223,8 @@ class TriAttention(Method):
         layers = max(layer for layer, _ in heads) + 1
         if layers != num_layers:
             raise ConfigError(f"method {self.name!r}: stats_path={self.stats_path!r} holds statistics of a model with "
-                              f"{layers} layers, this model has {num_layers}; {HOW_TO_CALIBRATE}")
+                              f"{layers} layers, kvbench compresses {num_layers} layers of this one (all but sliding-"
+                              f"window layers); {HOW_TO_CALIBRATE}")
 
     def check_model(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         """Refuse statistics of another model (query heads, head_dim, RoPE style), in one line."""
