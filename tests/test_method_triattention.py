@@ -152,3 +152,19 @@ def test_smollm2_math500_resident_kv_is_bounded(tmp_path):
     assert max(entries for _, entries in curve) <= 128 + 128 - 1
     assert [256 - prompt - 1, 255] in curve and [256 - prompt, 128] in curve  # cut at the 256th entry
     assert record["decode_steps"] > 256 - prompt
+
+
+def test_the_job_key_names_the_statistics_by_content(tmp_path):
+    """Like POD's block map: the file's name and content hash, not its path; another calibration is another job."""
+    import shutil
+
+    b = Budget.parse(128)
+    copy = tmp_path / "smollm2-135m.pt"
+    shutil.copy(ROOT / SMOL_STATS, copy)
+    here = build_method({"name": "triattention", "stats_path": SMOL_STATS}, b).describe()
+    there = build_method({"name": "triattention", "stats_path": str(copy)}, b).describe()
+    assert here == there and here["stats_path"].startswith("smollm2-135m.pt#sha256:")
+    payload = torch.load(copy, weights_only=True)
+    payload["stats"]["layer00_head00"]["q_abs_mean"] += 1.0
+    torch.save(payload, copy)
+    assert build_method({"name": "triattention", "stats_path": str(copy)}, b).describe() != here

@@ -218,6 +218,17 @@ class TriAttention(Method):
             self._stats = load_stats(str(self.stats_path))
         return self._stats
 
+    def describe(self) -> dict:
+        """The statistics file is named by its file name and content hash, not its path (POD's block map): a job's key
+        does not depend on where the file lives, and another calibration is another job."""
+        described = super().describe()
+        if self.stats_path is not None and Path(self.stats_path).is_file():
+            import hashlib
+
+            digest = hashlib.sha256(Path(self.stats_path).read_bytes()).hexdigest()[:16]
+            described["stats_path"] = f"{Path(self.stats_path).name}#sha256:{digest}"
+        return described
+
     def check_layers(self, num_layers: int) -> None:
         heads, _, _ = self.stats()
         layers = max(layer for layer, _ in heads) + 1
