@@ -131,6 +131,10 @@ def main() -> None:
     sys.path.insert(0, str(args.official))
     import transformers
 
+    if torch.__version__.split("+")[0] != "2.13.0" or transformers.__version__ != "4.57.1":
+        sys.exit(f"the fixture is pinned to torch 2.13.0 and transformers 4.57.1 (got {torch.__version__}, "
+                 f"{transformers.__version__}): see scripts/parity/README.md")
+
     torch.manual_seed(0)
     cases = {name: run_case(args.official, name, case) for name, case in CASES.items()}
     payload = {
