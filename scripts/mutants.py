@@ -411,6 +411,11 @@ MUTANTS = [
            "prefix = 0 if self.allow_prefill_compression else self._prefix",
            "prefix = 0",
            TRI, "selection: the prompt's entries compete with the decode entries"),
+    Mutant("triattention-position-order", "triattention", "kvbench/methods/triattention.py",
+           "        if self._order is None:",
+           "        if True:",
+           TRI, "bookkeeping: the cache scored in position order, not the code's stored order (the noise meets other "
+                "entries: tied_scores_noise keeps other sets)"),
     Mutant("expected-attention-sinks-dropped", "expected_attention", "kvbench/methods/expected_attention.py",
            'sinks = torch.full((hkv, min(n_sink, n)), float("inf"), device=probs.device)',
            'sinks = torch.full((hkv, min(n_sink, n)), float("-inf"), device=probs.device)',

@@ -84,7 +84,7 @@ def run_case(official: Path, name: str, case: dict) -> dict:
             pruning_seed=args["pruning_seed"], metadata_expectations={}, normalize_scores=args["normalize_scores"],
             count_prompt_tokens=args["count_prompt_tokens"],
             allow_prefill_compression=args["allow_prefill_compression"], divide_length=args["divide_length"],
-            use_slack_trigger=args["use_slack_trigger"], per_head_pruning=True,
+            use_slack_trigger=args["use_slack_trigger"], per_head_pruning=True, disable_trig=args["disable_trig"],
         )
         comp = model._triattention_compressor
         captured: list[torch.Tensor] = []

@@ -20,13 +20,18 @@ CASES = {
                                   divide_length=16, count_prompt_tokens=False, normalize_scores=False, seed=4),
     "prompt_fills_budget": dict(layers=2, heads=4, kv_heads=2, head_dim=16, prompt=40, steps=40, budget=32,
                                 divide_length=16, seed=5),
+    # raw keys drawn from 3 vectors and the position-free score alone (disable_trig): scores tie to float error, the
+    # tie-break noise decides, so the entries' stored order (which noise value meets which entry) is pinned
+    "tied_scores_noise": dict(layers=2, heads=4, kv_heads=2, head_dim=16, prompt=12, steps=100, budget=32,
+                              divide_length=16, disable_trig=True, pool=3, seed=7),
     "mqa_default_interval": dict(layers=2, heads=4, kv_heads=1, head_dim=16, prompt=16, steps=310, budget=64,
                                  divide_length=128, seed=6),
 }
 
 #: the method's fields a case may set, with the authors' experiment defaults (scripts/cli.py:303-313)
 FIELDS = dict(divide_length=128, use_slack_trigger=True, count_prompt_tokens=True, allow_prefill_compression=False,
-              normalize_scores=True, score_aggregation="mean", offset_max_length=65536, pruning_seed=0)
+              normalize_scores=True, score_aggregation="mean", offset_max_length=65536, pruning_seed=0,
+              disable_trig=False)
 
 
 def fields(case: dict) -> dict:
@@ -52,6 +57,9 @@ def case_keys(case: dict) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(case["seed"])
     total = case["prompt"] + case["steps"]
     raw = [torch.randn(case["kv_heads"], total, case["head_dim"], generator=g) for _ in range(case["layers"])]
+    if case.get("pool"):  # every key one of ``pool`` vectors per (layer, head)
+        pick = [torch.randint(case["pool"], (total,), generator=g) for _ in raw]
+        raw = [k[:, : case["pool"]][:, p] for k, p in zip(raw, pick)]
     return [rotate(k, torch.arange(total)) for k in raw]
 
 
