@@ -49,6 +49,7 @@ SCORERS = ["tests/test_method_scorers.py", "tests/test_parity_kvpress.py"]
 THINK = ["tests/test_parity_kvpress_think.py", "tests/test_parity_think_official.py"]
 TOVA = [*SCORERS, "tests/test_parity_tova_official.py", "-k", "tova"]
 RKV = ["tests/test_parity_rkv_official.py"]
+TRI = ["tests/test_parity_triattention_official.py"]
 ADAKV_OFFICIAL = ["tests/test_parity_adakv_official.py"]
 KVZIP = ["tests/test_parity_kvpress_kvzip.py", "tests/test_parity_kvzip_official.py"]
 RAGGED = ["tests/test_ragged_cache.py"]
@@ -386,6 +387,35 @@ MUTANTS = [
            "return torch.argsort(key, dim=-1, stable=True)",
            "return None",
            RKV, "decode-time compressions score the cache in position order, not in the code's stored order"),
+    Mutant("triattention-no-rope-inversion", "triattention", "kvbench/methods/triattention.py",
+           "k = invert_rope(keys.float(), cos, sin)",
+           "k = keys.float()",
+           TRI, "score: the post-RoPE keys scored as they are, not un-rotated at their positions"),
+    Mutant("triattention-mlr-off", "triattention", "kvbench/methods/triattention.py",
+           "extra = (q_abs_mean if disable_mlr else q_abs_mean - q_mean_abs).unsqueeze(1) * k_abs",
+           "extra = q_abs_mean.unsqueeze(1) * k_abs",
+           TRI, "score: the position-free term E|q| |k| instead of (E|q| - |E q|) |k| (the code's disable_mlr)"),
+    Mutant("triattention-no-normalisation", "triattention", "kvbench/methods/triattention.py",
+           "matrix = (matrix - mean) / std",
+           "matrix = matrix - mean",
+           TRI, "selection: each sampled head's scores centred but not divided by their std"),
+    Mutant("triattention-layer-max", "triattention", "kvbench/methods/triattention.py",
+           "aggregated = torch.stack(per_layer).mean(0) if per_layer else matrix.mean(0)",
+           "aggregated = torch.stack(per_layer).amax(0) if per_layer else matrix.mean(0)",
+           TRI, "selection: the max over layers instead of the mean of the layers' group maxima"),
+    Mutant("triattention-trigger-at-budget", "triattention", "kvbench/methods/triattention.py",
+           "return size >= self._budget + self.divide_length",
+           "return size >= self._budget",
+           TRI, "trigger: the slack trigger fires at the budget, not at budget + divide_length"),
+    Mutant("triattention-prompt-not-pinned", "triattention", "kvbench/methods/triattention.py",
+           "prefix = 0 if self.allow_prefill_compression else self._prefix",
+           "prefix = 0",
+           TRI, "selection: the prompt's entries compete with the decode entries"),
+    Mutant("triattention-position-order", "triattention", "kvbench/methods/triattention.py",
+           "        if self._order is None:",
+           "        if True:",
+           TRI, "bookkeeping: the cache scored in position order, not the code's stored order (the noise meets other "
+                "entries: tied_scores_noise keeps other sets)"),
     Mutant("expected-attention-sinks-dropped", "expected_attention", "kvbench/methods/expected_attention.py",
            'sinks = torch.full((hkv, min(n_sink, n)), float("inf"), device=probs.device)',
            'sinks = torch.full((hkv, min(n_sink, n)), float("-inf"), device=probs.device)',

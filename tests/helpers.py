@@ -250,3 +250,38 @@ def hub_without_network(monkeypatch) -> list[tuple[str, tuple, dict]]:
         monkeypatch.setattr(huggingface_hub, name, fake(name))
     monkeypatch.setattr("kvbench.hub.hub_unreachable", lambda *a, **k: UNREACHABLE)
     return network
+
+
+# ---- TriAttention's calibrated statistics for a test model -----------------------------------------------------------
+def triattention_stats(model) -> str:
+    """A statistics file in the authors' format (``pruning_utils.save_head_frequency_stats``) for ``model``'s shape
+    (every layer and query head, seeded random means with ``E|q| >= |E q|``), written once per shape under the temp
+    dir: the method's field ``stats_path`` for models without a calibrated file (SmolLM2-135M has one:
+    ``tests/fixtures/triattention/smollm2-135m.pt``)."""
+    import tempfile
+    from pathlib import Path
+
+    cfg = model.config
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    path = Path(tempfile.gettempdir()) / f"kvbench-triattention-{layers}x{heads}x{head_dim}.pt"
+    if not path.exists():
+        g = torch.Generator().manual_seed(layers * 1000 + heads * 10 + head_dim)
+        stats = {}
+        for layer in range(layers):
+            for head in range(heads):
+                real, imag = torch.randn(head_dim // 2, generator=g), torch.randn(head_dim // 2, generator=g)
+                stats[f"layer{layer:02d}_head{head:02d}"] = {
+                    "q_mean_real": real, "q_mean_imag": imag,
+                    "q_abs_mean": torch.complex(real, imag).abs() + torch.rand(head_dim // 2, generator=g)}
+        meta = {"head_dim": head_dim, "rope_style": "half", "rope_type": "default",
+                "sampled_heads": [[layer, head] for layer in range(layers) for head in range(heads)]}
+        tmp = path.with_suffix(f".{id(path)}.tmp")
+        torch.save({"metadata": meta, "stats": stats}, tmp)
+        tmp.replace(path)
+    return str(path)
+
+
+def method_fields(name: str, model) -> dict:
+    """Fields a method needs for ``model`` beyond its defaults (TriAttention's statistics file)."""
+    return {"stats_path": triattention_stats(model)} if name == "triattention" else {}

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.compat
 NOT_ON_CPU = {"cla", "lococo", "offload"}
 # KVzip: full-attention layers only and its own repeat prompt (a tokenizer); covered by test_method_matrix and
 # test_parity_kvpress_kvzip (not run on the sliding-window families here)
-NOT_ON_SLIDING = {"kvzip"}
+# TriAttention: one kept set for every layer of the model, from statistics of every layer (its authors' code compresses
+# all layers alike): a model whose sliding layers are left to their window is refused (tests/test_method_triattention)
+NOT_ON_SLIDING = {"kvzip", "triattention"}
 RUNNABLE = sorted(set(METHODS.names()) - NOT_ON_CPU - NOT_ON_SLIDING)
 N = 300  # prompt tokens: beyond every window
 

@@ -26,7 +26,7 @@ from packaging.version import Version
 
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, KVCache, compat, greedy_generate
-from kvbench.errors import CompressionInactiveError
+from kvbench.errors import CompressionInactiveError, ConfigError
 from kvbench.methods import METHODS, build_method
 
 pytestmark = pytest.mark.compat  # also run on the lowest supported transformers and torch (.ci/run)
@@ -262,6 +262,9 @@ PREFILL_ONLY = {"dynamickv", "kvmerger", "pyramidinfer", "pyramidkv", "snapkv", 
                 "expected_attention", "rkv"}
 ATTENDS_LESS = {"infllm", "omnikv", "quest"}  # everything resident, fewer entries attended per step
 KEEPS_ALL = {"fullkv", "pod"}  # POD without a block map is FullKV by definition (its memory is set by its window)
+#: compresses once decoding filled budget + divide_length (TriAttention: 128 steps after a prompt within the budget;
+#: a 600-token prompt is cut to its first 128 entries at the first decode step): its calibrated SmolLM2 statistics
+COMPRESSES_LATER = {"triattention": {"stats_path": "tests/fixtures/triattention/smollm2-135m.pt"}}
 UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "streamingllm", "snapkv", "knorm", "keydiff",
            "expected_attention", "tova", "rkv"}
 #: scores by extra forwards of the model (needs its tokenizer); layers and heads keep different numbers, each head only
@@ -299,7 +302,7 @@ def test_ragged_heads_hold_the_budget_and_decode_as_padded_ones_on_smollm2(smol,
 
 def test_every_runnable_method_is_classified_here():
     assert EVICTS_EVERY_STEP | PREFILL_ONLY | ATTENDS_LESS | KEEPS_ALL | HEAD_BUDGETS | set(CHUNKS) | KEY_CHANNELS | \
-        RECONSTRUCTS == set(RUNNABLE)
+        RECONSTRUCTS | set(COMPRESSES_LATER) == set(RUNNABLE)
 
 
 @pytest.mark.slow
@@ -307,7 +310,8 @@ def test_every_runnable_method_is_classified_here():
 def test_the_cache_holds_what_the_budget_says_on_smollm2(smol, essay_prompt, method):
     n = len(essay_prompt)
     stats, out = _generate(smol.model, method, None if method == "fullkv" else BUDGET, essay_prompt,
-                           tokenizer=smol.tokenizer if method in RECONSTRUCTS else None)
+                           tokenizer=smol.tokenizer if method in RECONSTRUCTS else None,
+                           **COMPRESSES_LATER.get(method, {}))
     steps = out.decode_steps
     assert stats.prompt_lens == [n] and len(out.tokens[0]) == 4 and steps == 3
     entries = stats.layer_entries_after_prefill
@@ -318,6 +322,9 @@ def test_the_cache_holds_what_the_budget_says_on_smollm2(smol, essay_prompt, met
         assert stats.resident_kv_bytes_after_prefill == held == pytest.approx(5_898_240, rel=0.01)
         assert out.resident_kv_bytes_final == held + steps * TOKEN_BYTES
         assert stats.attended_tokens_mean == pytest.approx(BUDGET + (steps + 1) / 2, abs=1)  # heads' entries differ
+    elif method in COMPRESSES_LATER:  # the prompt whole after prefill; its first 128 entries from the first step on
+        assert entries == [n] * 30 and stats.resident_kv_bytes_after_prefill == n * TOKEN_BYTES
+        assert out.resident_kv_bytes_final == (BUDGET + steps - 1) * TOKEN_BYTES
     elif method in CHUNKS:
         assert entries == [CHUNKS[method]] * 30
         assert stats.resident_kv_bytes_after_prefill == CHUNKS[method] * TOKEN_BYTES
@@ -393,6 +400,12 @@ def test_the_cache_holds_what_the_budget_says_on_gemma3(gemma, gemma_prompt, met
     n = len(gemma_prompt)
     if method in RECONSTRUCTS:
         pytest.skip("KVzip on Gemma 3: not run (kvpress refuses Gemma3ForCausalLM; kvbench's reading untested there)")
+    if method in COMPRESSES_LATER:  # one set for every layer: statistics of Gemma's 18 layers, 3 compressed, refused
+        from helpers import triattention_stats
+
+        with pytest.raises(ConfigError, match="holds statistics of a model with 18 layers, kvbench compresses 3"):
+            _generate(gemma.model, method, BUDGET, gemma_prompt, stats_path=triattention_stats(gemma.model))
+        return
     stats, out = _generate(gemma.model, method, None if method == "fullkv" else BUDGET, gemma_prompt,
                            **GEMMA_FIELDS.get(method, {}))
     steps = out.decode_steps

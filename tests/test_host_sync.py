@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import ByteTokenizer
+from helpers import ByteTokenizer, method_fields
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
 from kvbench.engine.cache import KVLayer
@@ -54,7 +54,7 @@ def _count(model, method_name, budget, new_tokens, which, compile=False) -> int:
     prompt = torch.randint(3, 250, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     b = Budget.parse(budget)
     # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter
-    fields = {"filter_layers": [0]} if method_name == "omnikv" else {}
+    fields = {"filter_layers": [0]} if method_name == "omnikv" else method_fields(method_name, model)
     tokenizer = ByteTokenizer()  # KVzip feeds the model its repeat prompt (no other method reads it)
     with CompressionSession(model, build_method({"name": method_name, **fields}, b), b, tokenizer=tokenizer,
                             compile=compile), CountOps(which) as mode:

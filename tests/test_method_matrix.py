@@ -25,7 +25,7 @@ import functools
 import pytest
 import torch
 
-from helpers import ByteTokenizer
+from helpers import ByteTokenizer, method_fields
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
 from kvbench.engine import generate as generate_module
@@ -39,6 +39,9 @@ EVICTS_EVERY_STEP = {"cam", "d2o", "h2o", "lminfinite", "local", "roco", "sirllm
 PREFILL_ONLY = {"dynamickv", "kvmerger", "kvzip", "pyramidinfer", "pyramidkv", "snapkv", "think", "knorm", "keydiff",
                 "expected_attention", "adakv", "chunkkv", "rkv"}
 KEEPS_RESIDENT = {"fullkv", "pod", "infllm", "omnikv", "quest"}
+#: compresses only once decoding filled its budget + divide_length (TriAttention: 128 steps, beyond this matrix's one
+#: step; a budget of tokens only): the prompt stays whole here (tests/test_method_triattention.py runs the schedule)
+COMPRESSES_LATER = {"triattention"}
 UNIFORM = {"cam", "h2o", "lminfinite", "local", "roco", "sirllm", "snapkv", "streamingllm", "think", "knorm", "keydiff",
            "expected_attention", "tova", "chunkkv", "rkv"}
 #: heads of a layer keep different numbers, the layer as long as its longest head (padding allocated and counted)
@@ -60,7 +63,7 @@ RATIO = {"omnikv": 0.75}
 
 
 def test_every_runnable_method_is_in_the_matrix():
-    assert EVICTS_EVERY_STEP | PREFILL_ONLY | KEEPS_RESIDENT == set(RUNNABLE)
+    assert EVICTS_EVERY_STEP | PREFILL_ONLY | KEEPS_RESIDENT | COMPRESSES_LATER == set(RUNNABLE)
 
 
 @functools.cache
@@ -92,7 +95,9 @@ def test_method_matrix(name, budget_text, kv_heads, batch, monkeypatch):
     model = _model(kv_heads)
     value = RATIO.get(name, float(budget_text)) if "." in budget_text else int(budget_text)
     budget = Budget.parse(None if name == "fullkv" else value)
-    method = build_method({"name": name, **FIELDS.get(name, {})}, budget)
+    if name in COMPRESSES_LATER and budget.kind == "ratio":
+        pytest.skip(f"{name}'s budget is a number of tokens (a ratio is refused: tests/test_method_triattention.py)")
+    method = build_method({"name": name, **FIELDS.get(name, {}), **method_fields(name, model)}, budget)
     if batch > 1 and not method.supports_batching:
         pytest.skip(f"{name} refuses batches (supports_batching=False)")
     prompts = [_prompt(n, 7 + row) for row, n in enumerate(LENGTHS[:batch])]
@@ -113,7 +118,7 @@ def test_method_matrix(name, budget_text, kv_heads, batch, monkeypatch):
     kv_heads = model.config.num_key_value_heads
     entry = _entry_bytes(name, kv_heads)
     steps = out.decode_steps
-    if name in KEEPS_RESIDENT:
+    if name in KEEPS_RESIDENT | COMPRESSES_LATER:
         caps = list(LENGTHS[:batch])
         grown = steps
     else:

@@ -27,7 +27,8 @@ def test_list_is_well_formed(mutants):
     assert {m.method for m in mutants.MUTANTS} == {"omnikv", "kvmerger", "pod", "d2o", "dynamickv", "snapkv",
                                                    "pyramidkv", "h2o", "streamingllm", "cam", "think", "kvzip",
                                                    "knorm", "keydiff", "tova", "expected_attention", "adakv",
-                                                   "chunkkv", "lminfinite", "pyramidinfer", "engine", "quest", "rkv"}
+                                                   "chunkkv", "lminfinite", "pyramidinfer", "engine", "quest", "rkv",
+                                                   "triattention"}
     for m in mutants.MUTANTS:
         assert m.original != m.mutated and m.tests, m.id
         assert all((ROOT / t).is_file() for t in m.tests if t.endswith(".py")), m.id

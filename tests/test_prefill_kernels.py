@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from test_host_sync import NOT_ON_TOY, CountOps, is_host_read, is_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import ByteTokenizer, kept_positions, make_layer, prefill_ctx
+from helpers import ByteTokenizer, kept_positions, make_layer, method_fields, prefill_ctx
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession
 from kvbench.engine.scores import attention_and_column_sums, window_attention
@@ -149,7 +149,7 @@ def _prefill_counts(model, name, n, budget=128) -> tuple[dict, dict]:
     inside this forward (a hook on the model) and are counted with it."""
     ids = torch.randint(3, 250, (1, n), generator=torch.Generator().manual_seed(n))
     b = Budget.parse(BUDGETS.get(name, budget))
-    method = build_method({"name": name, **FIELDS.get(name, {})}, b)
+    method = build_method({"name": name, **FIELDS.get(name, {}), **method_fields(name, model)}, b)
     with CompressionSession(model, method, b, few_kernels=True, tokenizer=ByteTokenizer()):
         with LayerCounts(model) as counts:
             model(ids, use_cache=True)

@@ -786,6 +786,8 @@ class CompressionSession:
                 self._compress_during_decode(idx, layer, query, scaling)
         if spec.sliding:
             self._bound_to_window(layer, spec.window, untouched=not acts)
+        if idx == self._last_attention_layer and not self.budget.is_full and self.method.acts_after_decode_forward():
+            self.method.after_decode_forward([self._layers[i] for i in self.compressed], ctx)  # across layers
         if idx == self._last_attention_layer:
             self._decode_step += 1
             self._record_resident(self._decode_step)

@@ -15,6 +15,11 @@ three points, one layer at a time (plus one call across layers after prefill) an
   distant scores, Quest/InfLLM's block retrieval): returns the layer's attention output ``(B, q, Hq, D)`` or None
   for the engine's attention. When it returns a tensor, ``select`` and the engine's attention are skipped and
   ``decode`` follows with ``ctx.probs`` as the method left it (None unless it set them);
+* ``after_decode_forward(layers, ctx)`` once after every decode forward of the model (each layer has its step's
+  entries appended and attended), with every layer the method compresses, for decisions across layers during decoding
+  (TriAttention's one kept set per KV head for every layer, its authors' ``triattention_forward`` wrapping
+  ``model.forward``); ``ctx`` is the last layer's ``DecodeContext``. A method that implements it has no captured
+  decode step (``static_policy`` None);
 * ``observe_logits(layers, input_ids, logits)`` after every forward of the model (the prompt, then each decode step),
   before the next one, only for methods that set ``needs_logits`` (SirLLM scores tokens by their surprisal under the
   model): ``logits`` gives the model's log-probabilities of chosen tokens (``engine.session.TokenLogits``);
@@ -111,7 +116,7 @@ class Method:
         ``auto`` decodes on the host-driven path. FullKV and every method that does nothing after prefill:
         ``StaticPolicy()`` (appended tokens stay)."""
         if type(self).decode is Method.decode and type(self).select is Method.select and \
-                type(self).attend is Method.attend and not self.needs_logits:
+                type(self).attend is Method.attend and not self.needs_logits and not self.acts_after_decode_forward():
             from kvbench.engine.static import StaticPolicy
 
             return StaticPolicy()
@@ -195,6 +200,15 @@ class Method:
         """The layer's decode attention output ``(B, q, Hq, D)`` computed by the method itself, or None (default)
         for the engine's attention. Called after the step's key/value were appended to ``layer``."""
         return None
+
+    def after_decode_forward(self, layers: list[KVLayer], ctx: DecodeContext) -> None:
+        """After every decode forward of the model (the prompt's excluded), once, with every layer the method
+        compresses (the step's entries appended): cross-layer decode-time decisions (TriAttention). Default: nothing."""
+
+    @classmethod
+    def acts_after_decode_forward(cls) -> bool:
+        """Whether the method implements ``after_decode_forward`` (the session then calls it)."""
+        return cls.after_decode_forward is not Method.after_decode_forward
 
     def observe_logits(self, layers: list[KVLayer], input_ids: torch.Tensor, logits: TokenLogits) -> None:
         """After every forward (prompt or decode step) when ``needs_logits`` is set; default: nothing.

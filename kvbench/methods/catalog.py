@@ -39,6 +39,7 @@ METHODS = Registry(
         "think": "kvbench.methods.think:ThinK",
         "kvzip": "kvbench.methods.kvzip:KVzip",
         "rkv": "kvbench.methods.rkv:RKV",
+        "triattention": "kvbench.methods.triattention:TriAttention",
     },
     pending={},  # every method the five papers compare against is implemented (issue #4)
 )

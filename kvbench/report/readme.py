@@ -73,6 +73,7 @@ HOOKS = {
     "attend": "every decode step: computes the attention itself",
     "decode": "after every decode step",
     "observe_logits": "after every forward, from the logits",
+    "after_decode_forward": "after every decode forward, over all layers",
 }
 
 
