@@ -23,6 +23,6 @@ python -m kvbench.run limit="$n"
 echo "default job ($n samples, first run: fetch + convert SmolLM2): $(( $(date +%s) - start )) s"
 
 start=$(date +%s)
-python -m pytest -q "$@"
+python -m pytest -q -n 2 --dist worksteal "$@"
 echo "tests: $(( $(date +%s) - start )) s"
 echo "everything is in $work"

@@ -7,7 +7,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers.py
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# pytest -n N (pytest-xdist, the README's command): N workers share the cores, each with its share (at most two
+# threads); a worker's subprocesses (kvbench.run in the CLI tests) inherit it through OMP_NUM_THREADS
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_threads = max(1, min(2, (os.cpu_count() or 1) // _workers))
+torch.set_num_threads(_threads)
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 
 @pytest.fixture(scope="session")

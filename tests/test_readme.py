@@ -236,7 +236,7 @@ def test_ci_and_the_fresh_clone_check_run_the_readmes_commands():
     commands (the README is what a new user runs, CI proves it)."""
     install = _commands(_section("Install"))[0]
     test = _commands(_section("Test"))[0]
-    assert install == 'pip install -e ".[dev]"' and test == "python -m pytest -q"
+    assert install == 'pip install -e ".[dev]"' and test == "python -m pytest -q -n 2 --dist worksteal"
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     steps = {}
     for i, line in enumerate(ci):
