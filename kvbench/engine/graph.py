@@ -190,12 +190,17 @@ def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.
             chunk = min(read_every, steps - done)
             if sampling is not None:
                 buffers.fill_uniforms(streams, chunk)
-            for i in range(chunk):
-                if done == 0 and i == 0:
-                    fn = _first_call(fn, model, kw, buffers)
-                else:
-                    fn(model, kw, buffers)
-            session.advance(chunk)
+            i = 0
+            while i < chunk:  # cut where the session compresses during decode (on the host, between steps)
+                due = getattr(session, "compression_due_in", lambda: None)()
+                part = chunk - i if due is None else min(chunk - i, max(1, due))
+                for j in range(i, i + part):
+                    if done == 0 and j == 0:
+                        fn = _first_call(fn, model, kw, buffers)
+                    else:
+                        fn(model, kw, buffers)
+                session.advance(part)
+                i += part
             columns = read_chosen(buffers, rows, 0, chunk)  # every chunk starts the ring at column 0
             done += chunk
             if take(columns):
