@@ -115,7 +115,17 @@ def test_captured_once_no_host_read_inside_one_read_per_block_and_compression(to
     assert reads == [(0, 16)] * 4 + [(0, 4)], reads
     assert compressions == list(range(8, 69, 8))
     assert session._decode_compressor.compressions[0] == compressions
-    again, _ = _run(toy_llama, "snapkv", 48, recorder, [_prompt(80, 3)], 40, 8, query_buffer=6)
+    marked = [t for ring in session._captured_compression.rings.values() for t in ring]
+    marked += [session._layers[i].fill for i in session._layers]
+    assert all(getattr(t, "_dynamo_static_input_type", None) is not None for t in marked)  # CUDA graphs: in place
+    # a second generation in the same session: the same graph, its own curve from its own prefill
+    b = Budget.parse(48)
+    prompts = [[_prompt(80, 3)], [_prompt(60, 4)]]
+    with CompressionSession(toy_llama, _method("snapkv", b, 8, 6), b, compile=recorder) as session:
+        for prompt in prompts:
+            again = greedy_generate(toy_llama, prompt, 40, [], 0)
+    eager, eager_session = _run(toy_llama, "snapkv", 48, False, prompts[1], 40, 8, query_buffer=6)
+    assert again.tokens == eager.tokens and session.stats.resident_curve == eager_session.stats.resident_curve
     assert len(graphs) == 1 and counters["stats"]["unique_graphs"] == 1
 
 

@@ -41,7 +41,7 @@ from kvbench.engine.attention import (
 )
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
 from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versions_line
-from kvbench.engine.decode_compression import CapturedCompression, DecodeCompressor, decode_context
+from kvbench.engine.decode_compression import CapturedCompression, DecodeCompressor, decode_context, graph_refusal
 from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
 from kvbench.engine.rope import rotate_keys
@@ -256,8 +256,6 @@ class CompressionSession:
             raise ConfigError("engine.compile=true does not run methods inside sliding windows (sliding_layers="
                               f"{self.sliding_policy}); use sliding_layers=window or engine.compile=false")
         if self._decode_compressor is not None:  # compressed on the host between blocks of captured steps
-            from kvbench.methods.decode_compression import graph_refusal
-
             refusal = graph_refusal(self.method, self._decode_compressor.spec, self.budget)
             if refusal is not None:
                 self.__exit__()
@@ -490,8 +488,10 @@ class CompressionSession:
         self._view_rows(rows, pad_from=real)
         attended = slot_pool(self.model).take(("attended",), (), torch.long, layers[0].keys.device).zero_()
         self._attended_acc = attended
+        rings = [] if self._captured_compression is None else \
+            [t for ring in self._captured_compression.rings.values() for t in ring]  # decode compression's queries
         mark_static([t for layer in layers for t in layer.buffers()] + list(self._chosen.values()) +
-                    [self._static[i][1] for i in self._static] + tensors + [attended])
+                    [self._static[i][1] for i in self._static] + tensors + [attended] + rings)
         impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(GRAPH_IMPL)
         CAPTURED_SESSION.append(self)
@@ -692,6 +692,7 @@ class CompressionSession:
             self._decode_step = 0
             if self._decode_compressor is not None:
                 self._decode_compressor.reset()
+                self._captured_compression = None  # a new one with the static layers (_to_static)
             self._static.clear()
             self._first_step_attended = []
             self._check_budget_minimum()

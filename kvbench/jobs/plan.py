@@ -314,7 +314,7 @@ def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, question:
     if cfg.position_mode == "compact":
         return "position_mode=compact re-rotates the kept keys at every step on the host"
     if not budget.is_full and method.decode_compression_spec() is not None:
-        from kvbench.methods.decode_compression import graph_refusal
+        from kvbench.engine.decode_compression import graph_refusal
 
         refusal = graph_refusal(method, method.decode_compression_spec(), budget)
         if refusal is not None:

@@ -126,23 +126,3 @@ def check_decode_compression(method: Any, spec: DecodeCompression | None, budget
         raise ConfigError(f"method {name!r}: decode_compression.target_size={spec.target_size} is below the "
                           f"{min_tokens} tokens it needs ({method.min_budget_reason()})")
 
-
-def graph_refusal(method: Any, spec: DecodeCompression | None, budget: Budget) -> str | None:
-    """Why a configured decode compression cannot run inside the captured decode step (``engine.decode=graph``), one
-    line, or None. The captured step appends into fixed slots (the target plus one interval) and the host compresses
-    every ``interval`` steps between blocks of captured steps; a target that grows with the tokens seen would need
-    slots for the whole generation, and a method whose captured step evicts or selects at every step has no host
-    compression to interleave with (its eager path runs both)."""
-    if spec is None or budget.is_full:
-        return None
-    if spec.compression_ratio is not None:
-        return (f"decode_compression.compression_ratio={spec.compression_ratio} keeps a share of the tokens seen, a "
-                "target that grows with the generation (fixed slots would have to hold all of it)")
-    if spec.target_size is None and budget.kind != "tokens":
-        return (f"budget={budget.label()} is a ratio: the decode target grows with the tokens seen (fixed slots would "
-                "have to hold all of it); give budget=<tokens> or decode_compression.target_size")
-    policy = method.static_policy(1 << 30)
-    if policy is not None and (policy.evict is not None or policy.attend is not None or policy.choose is not None
-                               or policy.accumulate):
-        return "its captured step also evicts or selects at every step (only appending steps are compressed there)"
-    return None
