@@ -14,7 +14,10 @@ speed). With ``engine.decode=graph`` (``engine.compile=true``) the session conve
   ``engine.graph`` (``torch.compile(fullgraph=True)``, CUDA graphs on a GPU) and replayed per token.
 
 Slots are not in position order (an evicted slot is reused): attention does not care, and positions travel with the
-entries. A method opts in with ``Method.static_policy``, whose ``StaticPolicy`` carries its step: its own pure-tensor
+entries. A layer compressed during decode (``method.decode_compression``) appends instead (``StaticKVLayer.fill``):
+slots ``[0, fill)`` are laid out as the eager layer holds its entries, which the host compresses between captured steps
+(``show_entries`` / ``hold_entries``).
+A method opts in with ``Method.static_policy``, whose ``StaticPolicy`` carries its step: its own pure-tensor
 functions (which slots to attend, what to evict, a selection to share) and their constants, so the engine imports and
 names no method; one without it (merging every step, its own attention) refuses with one line.
 """
