@@ -208,6 +208,7 @@ def test_every_bench_config_expands(tmp_path, name):
         assert {c["method"] for c in cells} == {"fullkv", "snapkv_decode128", "knorm_decode128", "rkv"}
         assert all((c["context_length"], c["new_tokens"]) == (1024, 8192) for c in cells)
         assert {c["overrides"]["decode_compression"]["interval"] for c in cells if c["method"].endswith("128")} == {128}
+        assert cfg.bench.compile is True  # decoded captured, the compressions between blocks (engine/graph.py)
     if name == "d2o_table13":
         assert {(c["method"], c["context_length"]) for c in cells} == {(m, n) for m in ("h2o", "d2o")
                                                                         for n in (512, 2048)}

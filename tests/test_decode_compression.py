@@ -102,7 +102,10 @@ def test_full_budget_refused():
         build_method(method_yaml("knorm", interval=64), parse_budget(None))
 
 
-def test_plan_refuses_the_captured_step_and_auto_decodes_eagerly():
+def test_plan_takes_the_captured_step_refuses_ratio_targets_and_keeps_the_key():
+    """A fixed target (a token budget, ``target_size``) runs inside the captured step (tests/
+    test_decode_compression_graph.py); a target that grows with the tokens seen is refused under graph in one line.
+    The eager job's key is unchanged."""
     from hydra import compose, initialize_config_dir
 
     from kvbench.config import register_resolvers
@@ -111,12 +114,20 @@ def test_plan_refuses_the_captured_step_and_auto_decodes_eagerly():
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         base = ["method=snapkv", "budget=128", "method.decode_compression.interval=64"]
-        graph = compose(config_name="config", overrides=[*base, "engine.decode=graph"])
-        with pytest.raises(ConfigError, match=r"engine.decode=graph: method 'snapkv' compresses during decode"):
-            plan_job(graph)
+        graph = plan_job(compose(config_name="config", overrides=[*base, "engine.decode=graph"]))
+        assert graph.decode == "graph"
+        for ratio in (["budget=0.2"], ["method.decode_compression.compression_ratio=0.5"]):
+            cfg = compose(config_name="config", overrides=[*base, *ratio, "engine.decode=graph"])
+            with pytest.raises(ConfigError, match=r"engine.decode=graph: method 'snapkv' compresses during decode "
+                                                  r"\(decode_compression\) and .* grows with the .*; use "
+                                                  r"engine.decode=eager"):
+                plan_job(cfg)
         job = plan_job(compose(config_name="config", overrides=base))
-        assert job.decode == "eager"
-        assert job.key["method"]["decode_compression"]["interval"] == 64
+        assert job.decode == "eager"  # auto on a CPU
+        # the captured decode's fixed slots hold other bytes: its results are filed apart (engine_compile), as every
+        # graph job's; the eager key is the one results were stored under
+        assert {k: v for k, v in graph.key.items() if k != "engine_compile"} == job.key
+        assert graph.key["engine_compile"] is True and job.key["method"]["decode_compression"]["interval"] == 64
         off = plan_job(compose(config_name="config", overrides=["method=snapkv", "budget=128"]))
         assert "decode_compression" not in off.key["method"]
 

@@ -75,6 +75,14 @@ def test_auto_captures_on_cuda_where_the_job_can(on_cuda, caplog):
     assert plan_job(_cfg("model=tiny-random", "task=pg19")).decode == "eager"
     assert plan_job(_cfg("model=tiny-random", "task=longbench_v2", "task.cot=true")).decode == "eager"
     assert plan_job(_cfg("model=tiny-random", "task=longbench_v2", "task.cot=false")).decode == "graph"
+    # compression during decode: captured with a fixed target, host-driven (one line) with one that grows
+    decoding = ("method=snapkv", "budget=128", "method.decode_compression.interval=64")
+    assert plan_job(_cfg("model=tiny-random", *decoding)).decode == "graph"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvbench"):
+        ratio = plan_job(_cfg("model=tiny-random", *decoding, "budget=0.5"))
+    lines = [r.getMessage() for r in caplog.records if "engine.decode=auto" in r.getMessage()]
+    assert ratio.decode == "eager" and len(lines) == 1 and "budget=0.5 is a ratio" in lines[0]
     assert plan_job(_cfg("model=tiny-random", "question=after_compression", "task=passkey")).decode == "eager"
 
 

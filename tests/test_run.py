@@ -117,6 +117,9 @@ BAD = [
     (["task=zeroscrolls", "task.data_dir=/nonexistent/zs"], "data_dir='/nonexistent/zs' is not a directory"),
     (["method=h2o", "method.recent_ratio=1.5"], "recent_ratio=1.5 must be in (0, 1)"),
     (["seed=abc"], "seed='abc' must be an integer"),
+    # decode compression inside the captured step takes fixed targets only (a ratio grows with the tokens seen)
+    (["engine.decode=graph", "budget=0.2", "method.decode_compression.interval=64"],
+     "engine.decode=graph: method 'snapkv' compresses during decode (decode_compression) and budget=0.2 is a ratio"),
     # a field the chosen method/model/task lacks: Hydra's multi-line struct error (exit 1) without the precheck
     (["method.nosuchfield=3"], "method 'snapkv' has no field nosuchfield; valid fields: decode_compression, "
                                "granularity, group_agg, kernel, pooling, window"),

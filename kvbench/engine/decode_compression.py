@@ -6,9 +6,11 @@ they differ from kvpress are in ``kvbench.methods.decode_compression``; the engi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from kvbench.budget import Budget
 from kvbench.methods.base import DecodeCompression, PrefillContext  # the method contract
 
 
@@ -67,3 +69,68 @@ def decode_context(layer, queries: torch.Tensor, target: int, layer_idx: int, nu
         capacity=torch.tensor(caps, device=device), rope_inv_freq=rope_inv_freq, plain_causal=False,
         few_kernels=few_kernels, host=(lens, caps),
     )
+
+
+class CapturedCompression:
+    """Compression during decode with the captured decode step (``engine.decode=graph``): the state of one generation.
+
+    Every compressing layer is a ``StaticKVLayer`` that appends (``StaticKVLayer.fill``: slots ``[0, fill)`` laid out
+    as the eager layer holds them), and its step writes its post-RoPE query ``(B, Hq, 1, D)`` into a ring ``(rows, Hq,
+    R, D)`` of the model's ``SlotPool`` (``write``: pure tensor code, inside the captured step), ``R = min(interval,
+    query_buffer + 1)``, the most queries a compression scores with. Every layer counts every decode step, so all
+    compress at the same step: the host cuts the captured loop there (``due_in``) and compresses each layer eagerly
+    (the session's ``_compress_captured``) with the ring's newest ``min(count, R)`` queries in step order
+    (``queries``): ``DecodeCompressor``'s buffer at its compressions (appended, then trimmed to ``query_buffer``
+    after each step, cleared at a compression)."""
+
+    def __init__(self, spec: DecodeCompression):
+        self.spec = spec
+        self.ring_len = min(spec.interval, spec.query_buffer + 1)
+        #: per compressing layer: the host's ``KVLayer`` the method compresses (the prefill's own object, so a method
+        #: that remembers its layer between compressions, R-KV's code order, sees the one it saw), the ring's base and
+        #: its next column (a 0-d device tensor), the slots in use (host ints)
+        self.layers: dict[int, object] = {}
+        self.rings: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fill: dict[int, int] = {}
+        self.scaling: dict[int, float] = {}
+        self.count = 0  # decode steps since the last compression
+        self.written = 0  # decode steps written into the rings
+
+    def write(self, layer_idx: int, query: torch.Tensor) -> None:
+        """The step's query ``(B, Hq, 1, D)`` into the layer's ring at its next column (no host read)."""
+        base, column = self.rings[layer_idx]
+        base[: query.shape[0]].index_copy_(2, column.view(1), query)
+        column.copy_((column + 1) % base.shape[2])
+
+    def interval(self, target: int) -> int:
+        """Steps between compressions (a target of one entry: every step, as ``DecodeCompressor``'s forward of at
+        least the target's tokens)."""
+        return 1 if target <= 1 else self.spec.interval
+
+    def queries(self, layer_idx: int, rows: int) -> torch.Tensor:
+        """The buffered queries ``(rows, Hq, m, D)`` in step order: the newest ``min(count, R)`` steps'."""
+        base, _ = self.rings[layer_idx]
+        m = min(self.count, self.ring_len)
+        columns = torch.tensor([(self.written - m + j) % self.ring_len for j in range(m)], device=base.device)
+        return base[:rows].index_select(2, columns)
+
+
+def graph_refusal(method: Any, spec: DecodeCompression | None, budget: Budget) -> str | None:
+    """Why a configured decode compression cannot run inside the captured decode step (``engine.decode=graph``), one
+    line, or None. The captured step appends into fixed slots (the target plus one interval) and the host compresses
+    every ``interval`` steps between blocks of captured steps; a target that grows with the tokens seen would need
+    slots for the whole generation, and a method whose captured step evicts or selects at every step has no host
+    compression to interleave with (its eager path runs both)."""
+    if spec is None or budget.is_full:
+        return None
+    if spec.compression_ratio is not None:
+        return (f"decode_compression.compression_ratio={spec.compression_ratio} keeps a share of the tokens seen, a "
+                "target that grows with the generation (fixed slots would have to hold all of it)")
+    if spec.target_size is None and budget.kind != "tokens":
+        return (f"budget={budget.label()} is a ratio: the decode target grows with the tokens seen (fixed slots would "
+                "have to hold all of it); give budget=<tokens> or decode_compression.target_size")
+    policy = method.static_policy(1 << 30)
+    if policy is not None and (policy.evict is not None or policy.attend is not None or policy.choose is not None
+                               or policy.accumulate):
+        return "its captured step also evicts or selects at every step (only appending steps are compressed there)"
+    return None

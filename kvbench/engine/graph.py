@@ -24,6 +24,14 @@ CUDA graph replayed per token):
 * a batch runs at its bucket (1, 2, 4, 8, 16, ...): extra rows repeat the last row and are dropped, so a sweep
   captures a handful of graphs, not one per batch size.
 
+Compression during decode (``method.decode_compression`` with a fixed target) runs here too: each compressing layer
+appends (``StaticKVLayer.fill``) and its step writes its post-RoPE query into a ring of the pool
+(``engine.decode_compression.CapturedCompression``); the host cuts a read block's steps at every ``interval``-th step
+(``session.compression_due_in``) and, between two captured steps, compresses every layer eagerly through the eager
+path's code on the slots laid out as the eager layer holds them, then writes the result back into the same slots (one
+host phase per interval; the graph is not recompiled). A sampled block's uniforms are drawn for the whole read block
+before it, and its sub-blocks read their columns on.
+
 The first decode step of a generation runs on the host-driven path (``CompressionSession``'s per-layer attention), where
 the session checks that the method compressed (compression is verified, never assumed) and D2O's official reading
 compresses the prompt; every later step is the captured one.
@@ -190,12 +198,17 @@ def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.
             chunk = min(read_every, steps - done)
             if sampling is not None:
                 buffers.fill_uniforms(streams, chunk)
-            for i in range(chunk):
-                if done == 0 and i == 0:
-                    fn = _first_call(fn, model, kw, buffers)
-                else:
-                    fn(model, kw, buffers)
-            session.advance(chunk)
+            i = 0
+            while i < chunk:  # cut where the session compresses during decode (on the host, between steps)
+                due = getattr(session, "compression_due_in", lambda: None)()
+                part = chunk - i if due is None else min(chunk - i, max(1, due))
+                for j in range(i, i + part):
+                    if done == 0 and j == 0:
+                        fn = _first_call(fn, model, kw, buffers)
+                    else:
+                        fn(model, kw, buffers)
+                session.advance(part)
+                i += part
             columns = read_chosen(buffers, rows, 0, chunk)  # every chunk starts the ring at column 0
             done += chunk
             if take(columns):

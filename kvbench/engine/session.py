@@ -41,7 +41,7 @@ from kvbench.engine.attention import (
 )
 from kvbench.engine.cache import KVLayer, ensure_kv_layer
 from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versions_line
-from kvbench.engine.decode_compression import DecodeCompressor, decode_context
+from kvbench.engine.decode_compression import CapturedCompression, DecodeCompressor, decode_context, graph_refusal
 from kvbench.engine.logits import TokenLogits
 from kvbench.engine.options import POSITION_MODES
 from kvbench.engine.rope import rotate_keys
@@ -162,6 +162,8 @@ class CompressionSession:
         spec = None if budget.is_full else method.decode_compression_spec()
         self._decode_compressor = DecodeCompressor(spec) if spec is not None else None
         self._decode_step = 0  # decode forwards of the current generation (the resident curve's x)
+        #: engine.compile with a decode compression: the captured step appends, the host compresses between blocks
+        self._captured_compression: CapturedCompression | None = None
         self._inv_freq = self._rope_inv_freq() if position_mode == "compact" else None
         #: RoPE frequencies for methods that re-rotate keys (LM-Infinite's distance ceiling); None if not rotatable
         self.rope_inv_freq = self._inv_freq if self._inv_freq is not None else self._rope_inv_freq(strict=False)
@@ -253,10 +255,12 @@ class CompressionSession:
             self.__exit__()
             raise ConfigError("engine.compile=true does not run methods inside sliding windows (sliding_layers="
                               f"{self.sliding_policy}); use sliding_layers=window or engine.compile=false")
-        if self._decode_compressor is not None:
-            self.__exit__()
-            raise ConfigError(f"engine.compile=true: method {self.method.name!r} compresses during decode "
-                              "(decode_compression), which runs on the host-driven path; use engine.compile=false")
+        if self._decode_compressor is not None:  # compressed on the host between blocks of captured steps
+            refusal = graph_refusal(self.method, self._decode_compressor.spec, self.budget)
+            if refusal is not None:
+                self.__exit__()
+                raise ConfigError(f"engine.compile=true: method {self.method.name!r} compresses during decode "
+                                  f"(decode_compression) and {refusal}; use engine.compile=false")
         if not self.budget.is_full and self.method.static_policy(1 << 30) is None:
             self.__exit__()
             raise ConfigError(
@@ -292,6 +296,9 @@ class CompressionSession:
         lens = self.stats.prompt_lens or [0]
         varies = self.budget.is_full or self.budget.kind == "ratio" or \
             any(self.budget.tokens_for(n) >= n for n in lens)
+        compression = None
+        if self._decode_compressor is not None:
+            compression = self._captured_compression = CapturedCompression(self._decode_compressor.spec)
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
@@ -306,10 +313,16 @@ class CompressionSession:
             held = layer.num_entries  # a ragged layer: its longest head and the tail
             grow = max(caps) + 1 - held
             extra = max(1, min(self._reserve, grow)) if policy.evict is not None else max(1, self._reserve)
+            compresses = compression is not None and idx in self._method_index
+            if compresses:  # appends up to a compression: at most the target (or the prompt's) plus one interval
+                target = compression.spec.target(1 << 40, self.budget)  # the most: not a ratio (graph_refusal)
+                extra = max(1, min(self._reserve, max(held, target) + compression.interval(target) - held))
             if varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
                 extra += -(held + extra) % SLOT_ROUND
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
+            if compresses:
+                self._captured_layer(compression, idx, layer, static, rows, pool)
             if policy.choose is not None:  # a selection later layers attend through (OmniKV's filter layer)
                 source, width = policy.selection
                 chosen = pool.take(("chosen", source), (rows, 1, width), torch.bool, device)
@@ -318,6 +331,89 @@ class CompressionSession:
             capacity = pool.take(("capacity", idx), (rows, 1, 1), torch.long, device)
             capacity[:b].copy_(torch.tensor(caps, device=device).view(-1, 1, 1))
             self._static[idx] = (policy, self._row_base(("capacity", idx), capacity, b))
+
+    def _captured_layer(self, compression: CapturedCompression, idx: int, layer: KVLayer, static: StaticKVLayer,
+                        rows: int, pool) -> None:
+        """A layer compressed during decode under engine.compile: its static layer appends after the entries
+        (``StaticKVLayer.fill``), its step's queries go to a ring of the pool; ``layer`` (the prefill's object) is
+        the host layer the method compresses between blocks."""
+        if layer.state or layer.key_channels is not None or layer.rope_pos is not None:
+            raise NotAvailableError(f"engine.compile: method {self.method.name!r} leaves layer {idx} with per-entry "
+                                    "state, pruned channels or re-rotated keys, which a decode compression between "
+                                    "captured steps does not carry; use engine.compile=false")
+        device = static.keys.device
+        held = layer.num_entries
+        static.fill = pool.take(("fill", idx), (), torch.long, device).fill_(held)
+        ring = pool.take(("queries", idx), (rows, self.num_heads, compression.ring_len, static.keys.shape[-1]),
+                         static.keys.dtype, device)
+        compression.rings[idx] = (ring, pool.take(("queries_column", idx), (), torch.long, device).zero_())
+        compression.layers[idx] = layer
+        compression.fill[idx] = held
+        b = layer.keys.shape[0]
+        layer.keys, layer.values = static.keys[:b, :, :held], static.values[:b, :, :held]  # views: nothing held twice
+
+    def compression_due_in(self) -> int | None:
+        """Decode steps until the next compression during decode under engine.compile (the captured loop cuts its
+        blocks there), or None."""
+        compression = self._captured_compression
+        if compression is None or not compression.layers:
+            return None
+        return self._captured_interval() - compression.count
+
+    def _captured_interval(self) -> int:
+        compression = self._captured_compression
+        seen = self._layers[next(iter(compression.layers))].seen
+        return compression.interval(compression.spec.target(seen, self.budget))
+
+    def _captured_steps_done(self, steps: int) -> None:
+        """After ``steps`` decode steps with the static layers (host-driven or captured): per step, the layers'
+        slots in use grow by one and the resident curve gets its point, after a compression where the step is the
+        ``interval``-th (then the host compresses every compressing layer: ``_compress_captured``)."""
+        compression = self._captured_compression
+        for _ in range(steps):
+            self._decode_step += 1
+            compression.count += 1
+            compression.written += 1
+            for idx in compression.fill:
+                compression.fill[idx] += 1
+            if compression.layers and compression.count >= self._captured_interval():
+                self._compress_captured()
+            self._record_resident(self._decode_step)
+
+    def _compress_captured(self) -> None:
+        """Every compressing layer compressed on the host as the eager path compresses it (``_compress_layer``): the
+        slots in use as the eager layer holds them, the ring's queries in step order; the result back into the
+        slots (``StaticKVLayer.hold_entries``)."""
+        compression = self._captured_compression
+        rows = next(iter(compression.layers.values())).keys.shape[0]  # the batch's real rows
+        for idx, host in compression.layers.items():
+            static = self._layers[idx]
+            static.show_entries(host, rows, compression.fill[idx])
+            target = compression.spec.target(host.seen, self.budget)
+            self._compress_layer(idx, host, compression.queries(idx, rows), target, compression.scaling[idx])
+            need = host.keys.shape[2] + compression.interval(target)
+            if need > static.keys.shape[2]:  # a method keeping more than the target (AdaKV's heads): more slots
+                self._grow_captured(idx, static, need)
+            compression.fill[idx] = static.hold_entries(host, rows)
+            host.keys, host.values = static.keys[:rows, :, : compression.fill[idx]], \
+                static.values[:rows, :, : compression.fill[idx]]  # views: the host copies are freed
+            self._decode_compressor.compressions.setdefault(idx, []).append(self._decode_step)
+        compression.count = 0
+
+    def _grow_captured(self, idx: int, static: StaticKVLayer, need: int) -> None:
+        """Layer ``idx`` needs ``need`` slots up to the next compression, more than it has: new slots (rounded up to
+        64, so a slowly growing layout compiles a few more graphs, not one per compression), one log line."""
+        import logging
+
+        slots = -(-need // 64) * 64
+        logging.getLogger("kvbench").info("engine.compile: method %r kept %d+ entries in layer %d during decode, more "
+                                          "than its %d slots; %d slots from here (the captured step compiles again)",
+                                          self.method.name, need, idx, static.keys.shape[2], slots)
+        static.grow(slots, slot_pool(self.model).taker((idx,), static.keys.device))
+        if self._graph_live:
+            from kvbench.engine.graph import mark_static
+
+            mark_static(static.buffers())
 
     def _row_base(self, key: tuple, base: torch.Tensor, rows: int) -> torch.Tensor:
         """Remember ``base``, a buffer of the batch bucket's rows, for ``captured``; its first ``rows`` rows."""
@@ -347,9 +443,15 @@ class CompressionSession:
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
         out, attended = self._layer_step(layer, idx, query, scaling)
         self._record_attended(attended, acts=idx in self._method_index)
+        compression = self._captured_compression
+        if compression is not None and idx in compression.rings:
+            compression.write(idx, query)
+            compression.scaling[idx] = scaling
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
-        if idx == self._last_attention_layer:
+        if idx == self._last_attention_layer and compression is not None:
+            self._captured_steps_done(1)
+        elif idx == self._last_attention_layer:
             self._decode_step += 1
             self._record_resident(self._decode_step)
         return out, None
@@ -386,8 +488,10 @@ class CompressionSession:
         self._view_rows(rows, pad_from=real)
         attended = slot_pool(self.model).take(("attended",), (), torch.long, layers[0].keys.device).zero_()
         self._attended_acc = attended
+        rings = [] if self._captured_compression is None else \
+            [t for ring in self._captured_compression.rings.values() for t in ring]  # decode compression's queries
         mark_static([t for layer in layers for t in layer.buffers()] + list(self._chosen.values()) +
-                    [self._static[i][1] for i in self._static] + tensors + [attended])
+                    [self._static[i][1] for i in self._static] + tensors + [attended] + rings)
         impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(GRAPH_IMPL)
         CAPTURED_SESSION.append(self)
@@ -409,6 +513,9 @@ class CompressionSession:
         for idx in self._attention_layers:
             self._layers[idx].seen += steps
         self.stats.decode_layer_calls += steps * len(self._attention_layers)
+        if self._captured_compression is not None:  # the slots in use, and the compression closing the block
+            self._captured_steps_done(steps)
+            return
         self._decode_step += steps
         self._record_resident(self._decode_step)  # the static layers' slots (fixed while captured)
 
@@ -422,6 +529,8 @@ class CompressionSession:
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         out, attended = self._layer_step(layer, idx, query, scaling)
         self._attended_acc.add_(attended)
+        if self._captured_compression is not None and idx in self._captured_compression.rings:
+            self._captured_compression.write(idx, query)
         return out, None
 
     # ---- compression is verified, never assumed -----------------------------------------------------------------
@@ -583,6 +692,7 @@ class CompressionSession:
             self._decode_step = 0
             if self._decode_compressor is not None:
                 self._decode_compressor.reset()
+                self._captured_compression = None  # a new one with the static layers (_to_static)
             self._static.clear()
             self._first_step_attended = []
             self._check_budget_minimum()
@@ -666,7 +776,9 @@ class CompressionSession:
     def _record_resident(self, step: int) -> None:
         """The resident curve's point at ``step`` (host ints: the layers' lengths, no device read)."""
         layers = [self._layers.get(i) for i in sorted(self._attention_layers)]
-        counts = [layer.num_entries for layer in layers if layer is not None]
+        fill = self._captured_compression.fill if self._captured_compression is not None else {}
+        counts = [fill.get(i, layer.num_entries) for i, layer in zip(sorted(self._attention_layers), layers)
+                  if layer is not None]
         if counts:
             mean = sum(counts) / len(counts)
             self.stats.add_resident_point(step, int(mean) if float(mean).is_integer() else round(mean, 2))
@@ -679,12 +791,16 @@ class CompressionSession:
             return self._decode_compressor.spec.target(layer.seen, self.budget)
 
         def compress(queries: torch.Tensor, target: int) -> None:
-            few = layer.keys.device.type == "cuda" if self.few_kernels is None else self.few_kernels
-            ctx = decode_context(layer, queries, target, self._method_index[idx], len(self.compressed),
-                                 self.num_heads, scaling, self.rope_inv_freq, few)
-            self.method.compress_decoded(layer, ctx)
+            self._compress_layer(idx, layer, queries, target, scaling)
 
         self._decode_compressor.after_step(idx, query, target_for, compress, self._decode_step + 1)
+
+    def _compress_layer(self, idx: int, layer: KVLayer, queries: torch.Tensor, target: int, scaling: float) -> None:
+        """One decode-time compression of layer ``idx`` (``Method.compress_decoded``), eager and captured paths."""
+        few = layer.keys.device.type == "cuda" if self.few_kernels is None else self.few_kernels
+        ctx = decode_context(layer, queries, target, self._method_index[idx], len(self.compressed),
+                             self.num_heads, scaling, self.rope_inv_freq, few)
+        self.method.compress_decoded(layer, ctx)
 
     def _record_prefill_stats(self, layers: list[KVLayer], check: bool) -> None:
         self.stats.resident_curve = []

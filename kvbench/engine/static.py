@@ -14,7 +14,10 @@ speed). With ``engine.decode=graph`` (``engine.compile=true``) the session conve
   ``engine.graph`` (``torch.compile(fullgraph=True)``, CUDA graphs on a GPU) and replayed per token.
 
 Slots are not in position order (an evicted slot is reused): attention does not care, and positions travel with the
-entries. A method opts in with ``Method.static_policy``, whose ``StaticPolicy`` carries its step: its own pure-tensor
+entries. A layer compressed during decode (``method.decode_compression``) appends instead (``StaticKVLayer.fill``):
+slots ``[0, fill)`` are laid out as the eager layer holds its entries, which the host compresses between captured steps
+(``show_entries`` / ``hold_entries``).
+A method opts in with ``Method.static_policy``, whose ``StaticPolicy`` carries its step: its own pure-tensor
 functions (which slots to attend, what to evict, a selection to share) and their constants, so the engine imports and
 names no method; one without it (merging every step, its own attention) refuses with one line.
 """
@@ -196,12 +199,16 @@ class StaticKVLayer(KVLayer):
         new.rope_pos = None
         new.last_slot = torch.zeros(b, h, 1, dtype=torch.long, device=device)
         new.captured = False
+        #: a layer compressed during decode (``method.decode_compression``): the slot the next step writes, a 0-d
+        #: device tensor (the eager layer appends at its end: slots ``[0, fill)`` are laid out as it holds them)
+        new.fill = None
         return new
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a decode step reads or writes in place: the slots, their positions and validity, the method's
         per-entry and per-row state."""
-        return [self.keys, self.values, self.positions, self.valid, *self.state.values(), *self.row_state.values()]
+        return [self.keys, self.values, self.positions, self.valid, *self.state.values(), *self.row_state.values()] + \
+            ([] if self.fill is None else [self.fill])
 
     def _views(self) -> list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]:
         """Each buffer of the bucket's rows, and how to make the layer hold a view of it."""
@@ -251,7 +258,11 @@ class StaticKVLayer(KVLayer):
             rep = self.keys.shape[1] // key_states.shape[1]
             key_states = key_states.repeat_interleave(rep, dim=1)
             value_states = value_states.repeat_interleave(rep, dim=1)
-        slot = torch.argmax((~self.valid).to(torch.int8), dim=-1, keepdim=True)  # (B, H, 1): the first free slot
+        if self.fill is None:
+            slot = torch.argmax((~self.valid).to(torch.int8), dim=-1, keepdim=True)  # (B, H, 1): the first free slot
+        else:  # after the entries the eager layer would hold (invalid slots among them stay where they are)
+            slot = self.fill.view(1, 1, 1).expand(*self.valid.shape[:2], 1).clone()  # not a view of what moves on
+            self.fill.add_(1)
         index = slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1])
         self.keys.scatter_(2, index, key_states)
         self.values.scatter_(2, index, value_states)
@@ -262,6 +273,49 @@ class StaticKVLayer(KVLayer):
         if "acc" in self.state:
             self.state["acc"].scatter_(-1, slot, torch.zeros_like(slot, dtype=self.state["acc"].dtype))
         return slot
+
+    def show_entries(self, layer: KVLayer, rows: int, fill: int) -> None:
+        """``layer`` (a host ``KVLayer``) holds copies of slots ``[0, fill)`` of the first ``rows`` rows: what the eager
+        layer of a decode compression holds, slot for slot (``fill``: this layer appends after them)."""
+        layer.keys = self.keys[:rows, :, :fill].clone()
+        layer.values = self.values[:rows, :, :fill].clone()
+        layer.positions = self.positions[:rows, :, :fill].clone()
+        layer.set_valid(self.valid[:rows, :, :fill].clone())
+        layer.row_state = {k: v[:rows].clone() for k, v in self.row_state.items()}
+        layer.seen = self.seen
+
+    def grow(self, slots: int, take: Callable[[str, tuple, torch.dtype], torch.Tensor]) -> None:
+        """Every per-slot buffer at ``slots`` slots, new ones from ``take`` (the pool: a shape of its own, so the
+        captured step compiles once more for it); their content is the caller's to write (``hold_entries``)."""
+        current = self.keys.shape[0]
+        for name in ("keys", "values", "positions", "valid"):
+            old = self._bases[name]
+            base = take(name, (old.shape[0], old.shape[1], slots, *old.shape[3:]), old.dtype)
+            self._bases[name] = base
+            setattr(self, name, base[:current])
+
+    def hold_entries(self, layer: KVLayer, rows: int) -> int:
+        """Slots ``[0, k)`` of the first ``rows`` rows become ``layer``'s ``k`` entries (a compression's result, laid
+        out as it holds them), every later slot invalid, the next step's slot ``k``; rows after ``rows`` (a batch
+        bucket's) repeat the last one. Returns ``k``. Nothing is allocated: the slots are the layer's own."""
+        k = layer.keys.shape[2]
+        if k > self.keys.shape[2]:
+            raise ValueError(f"a decode compression kept {k} entries, more than the {self.keys.shape[2]} slots")
+        total = self.keys.shape[0]
+        self.keys[:rows, :, :k].copy_(layer.keys)
+        self.values[:rows, :, :k].copy_(layer.values)
+        self.positions[:rows, :, :k].copy_(layer.positions)
+        self.valid[:rows].zero_()
+        if layer.valid is None:
+            self.valid[:rows, :, :k] = True
+        else:
+            self.valid[:rows, :, :k].copy_(layer.valid)
+        for name, value in layer.row_state.items():
+            self.row_state[name][:rows].copy_(value)
+        for t in (self.keys, self.values, self.positions, self.valid, *self.row_state.values()):
+            repeat_last_row(t, rows, total)
+        self.fill.fill_(k)
+        return k
 
     def assign_positions(self, positions: torch.Tensor) -> None:
         """The step's position ``(B, 1, 1)`` (from the model's ``position_ids``) at the slot it was written to."""

@@ -312,8 +312,11 @@ def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, question:
     if cfg.position_mode == "compact":
         return "position_mode=compact re-rotates the kept keys at every step on the host"
     if not budget.is_full and method.decode_compression_spec() is not None:
-        return (f"method {method.name!r} compresses during decode (decode_compression), which runs on the host-driven "
-                "path (a periodic compression is not a captured function yet)")
+        from kvbench.engine.decode_compression import graph_refusal
+
+        refusal = graph_refusal(method, method.decode_compression_spec(), budget)
+        if refusal is not None:
+            return f"method {method.name!r} compresses during decode (decode_compression) and {refusal}"
     if not budget.is_full and method.static_policy(1 << 30) is None:
         return f"method {method.name!r} has no captured decode step ({method.static_refusal()})"
     return None

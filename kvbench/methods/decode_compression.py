@@ -125,3 +125,4 @@ def check_decode_compression(method: Any, spec: DecodeCompression | None, budget
     if spec.target_size is not None and spec.target_size < min_tokens:
         raise ConfigError(f"method {name!r}: decode_compression.target_size={spec.target_size} is below the "
                           f"{min_tokens} tokens it needs ({method.min_budget_reason()})")
+
