@@ -74,6 +74,19 @@ def test_resident_bytes_against_a_multiple_of_the_budgets():
     assert "| 1.05 | <= 1.05 x budget | yes |" in targets_markdown(out)
 
 
+def test_decode_peak_against_the_budget_plus_an_interval():
+    """``max_budget_plus_tokens``: a decode compression's peak at most the budget's bytes plus an interval's tokens,
+    at any budget (255 of 128 tokens passes with an interval of 128, 257 does not; 1151 of 1024 passes)."""
+    rows = [{"method": "snapkv_decode128", "budget": str(b), "context_length": 64, "batch_size": 2,
+             "kv_bytes_per_token": 10, "resident_kv_bytes_decode_max": 2 * peak * 10,
+             "budget_kv_bytes_decode": 2 * b * 10} for b, peak in ((128, 255), (128, 257), (1024, 1151))]
+    targets = [{"name": "t", "metric": "resident_kv_bytes_decode_max", "context_length": 64,
+                "methods": ["snapkv_decode128"], "max_budget_plus_tokens": 128}]
+    out = judge(rows, targets, None)
+    assert [(v["ratio"], v["ok"]) for v in out] == [(1.992, True), (2.008, False), (1.124, True)]
+    assert "<= 2.000 x budget (+128 tokens)" in targets_markdown(out)
+
+
 def test_paired_prefill_ratio_wins_over_separate_cells():
     """A paired cell's own FullKV timings judge it (drift between cells would read 2.2 / 2.0 = 1.1 here)."""
     rows = [{"method": "fullkv", "budget": "full", "context_length": 8, "batch_size": 1, "prefill_seconds": 2.0},

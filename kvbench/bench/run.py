@@ -9,8 +9,9 @@ timed at the grid's context lengths and batch sizes, ``transformers_dynamic`` / 
 ``batch_sizes``, and ``max_ratio`` / ``min_ratio`` against ``baseline`` (default FullKV; any method or peer row) at the
 same context length and batch size, or ``equals_budget``, or ``max_budget_ratio``: the value at most that many times
 the budget's bytes (``resident_kv_bytes_decode_max``, a decode's peak: against the budget at the prompt + the
-generated tokens), or ``max_floor_ratio``: decode ms per step at most that many times the cell's floor). A prefill
-target on a paired cell uses the median of the per-pair ratios.
+generated tokens), or ``max_budget_plus_tokens``: the value at most the budget's bytes plus that many tokens' (a
+decode compression's interval, whatever the budget), or ``max_floor_ratio``: decode ms per step at most that many
+times the cell's floor). A prefill target on a paired cell uses the median of the per-pair ratios.
 
 ``floor: {copy_mib, warmup, repeats}`` (bench level) measures the device's copy bandwidth once per run
 (``floor.json``) and gives every decode row its floor: ``(weight bytes + resident KV bytes) / bandwidth``.
@@ -396,7 +397,8 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                     value = row.get(metric)
                     verdict.update(bound=f"<= {target['max_value']}",
                                    ok=None if value is None else value <= target["max_value"])
-                elif target.get("equals_budget") or "max_budget_ratio" in target:
+                elif target.get("equals_budget") or "max_budget_ratio" in target or \
+                        "max_budget_plus_tokens" in target:
                     # the decode peak against the budget at the tokens seen by the generation's end (a budget above
                     # the prompt binds only once the generation has filled it); everything else after prefill
                     expected = row.get("budget_kv_bytes_decode" if metric == "resident_kv_bytes_decode_max"
@@ -409,6 +411,11 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                         ratio = row[metric] / expected
                         verdict.update(ratio=round(ratio, 3), bound=f"<= {target['max_budget_ratio']} x budget",
                                        ok=ratio <= target["max_budget_ratio"])
+                    if "max_budget_plus_tokens" in target and row.get(metric) is not None:  # + an interval's
+                        extra = target["max_budget_plus_tokens"]
+                        bound = expected + row["batch_size"] * extra * row["kv_bytes_per_token"]
+                        verdict.update(ratio=round(row[metric] / expected, 3), ok=row[metric] <= bound,
+                                       bound=f"<= {bound / expected:.3f} x budget (+{extra} tokens)")
                 else:
                     # a ratio to FullKV, to another method (SnapKV) or to a peer (transformers_static_compiled)
                     reference = target.get("baseline", "fullkv")
