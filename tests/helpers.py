@@ -229,6 +229,23 @@ class ByteTokenizer:
 UNREACHABLE = "huggingface.co:443 cannot be reached: the test's reason"
 
 
+def record_caches(monkeypatch) -> list:
+    """Every ``KVCache`` the engine's generation loop builds from now on, appended to the returned list (the session's
+    layers as the generation left them: kept positions, entry counts)."""
+    from kvbench.engine import generate as generate_module
+    from kvbench.engine.cache import KVCache
+
+    caches: list = []
+
+    class Recording(KVCache):
+        def __init__(self):
+            super().__init__()
+            caches.append(self)
+
+    monkeypatch.setattr(generate_module, "KVCache", Recording)
+    return caches
+
+
 def hub_without_network(monkeypatch) -> list[tuple[str, tuple, dict]]:
     """A machine without the hub: ``kvbench.hub.hub_unreachable`` gives ``UNREACHABLE``; huggingface_hub's cache
     lookups (``local_files_only=True``) find nothing, and every network call (download, listing) is recorded in the

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import record_caches
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
-from kvbench.engine import generate as generate_module
 from kvbench.engine.cache import KVCache
 from kvbench.methods import METHODS, build_method
 
@@ -50,15 +50,9 @@ def _run(model, name: str, prompts: list[list[int]], monkeypatch):
     """Greedy tokens, kept sets after prefill and at the end, per row."""
     budget = Budget.parse(None if name == "fullkv" else BUDGET)
     method = build_method({"name": name}, budget)
-    caches: list[KVCache] = []
     after_prefill: list = []
 
-    class Recording(KVCache):
-        def __init__(self):
-            super().__init__()
-            caches.append(self)
-
-    monkeypatch.setattr(generate_module, "KVCache", Recording)
+    caches = record_caches(monkeypatch)
     finish = method.finish_prefill
 
     def snapshot(layers, ctx):

@@ -25,11 +25,9 @@ import functools
 import pytest
 import torch
 
-from helpers import ByteTokenizer, method_fields
+from helpers import ByteTokenizer, method_fields, record_caches
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
-from kvbench.engine import generate as generate_module
-from kvbench.engine.cache import KVCache
 from kvbench.methods import METHODS, build_method
 from kvbench.models.tiny import build_tiny_llama, resolve_tiny
 
@@ -101,14 +99,7 @@ def test_method_matrix(name, budget_text, kv_heads, batch, monkeypatch):
     if batch > 1 and not method.supports_batching:
         pytest.skip(f"{name} refuses batches (supports_batching=False)")
     prompts = [_prompt(n, 7 + row) for row, n in enumerate(LENGTHS[:batch])]
-    caches: list[KVCache] = []
-
-    class Recording(KVCache):
-        def __init__(self):
-            super().__init__()
-            caches.append(self)
-
-    monkeypatch.setattr(generate_module, "KVCache", Recording)
+    caches = record_caches(monkeypatch)
     tokenizer = ByteTokenizer() if method.needs_reconstruction else None
     with CompressionSession(model, method, budget, tokenizer=tokenizer) as session:
         out = greedy_generate(model, prompts, NEW_TOKENS, [], 0)

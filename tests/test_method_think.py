@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_layer, prefill_ctx
+from helpers import make_layer, prefill_ctx, record_caches
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
-from kvbench.engine import generate as generate_module
 from kvbench.engine.attention import grouped_attention
-from kvbench.engine.cache import KVCache
 from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods import build_method
 
@@ -45,14 +43,7 @@ def test_attention_over_pruned_keys_is_qk_over_the_kept_channels():
 
 @pytest.mark.parametrize("inner", ["h2o", "pyramidkv", "streamingllm"])
 def test_think_composes_with_token_methods(toy_llama, inner, monkeypatch):
-    caches = []
-
-    class Recording(KVCache):
-        def __init__(self):
-            super().__init__()
-            caches.append(self)
-
-    monkeypatch.setattr(generate_module, "KVCache", Recording)
+    caches = record_caches(monkeypatch)
     budget = Budget.parse(48)
     method = build_method({"name": "think", "inner": {"name": inner}}, budget)
     with CompressionSession(toy_llama, method, budget) as session:

@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_job_in, triattention_stats
+from helpers import record_caches, run_job_in, triattention_stats
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
-from kvbench.engine import generate as generate_module
-from kvbench.engine.cache import KVCache
 from kvbench.errors import ConfigError
 from kvbench.methods import build_method
 from kvbench.models.tiny import build_tiny_llama, resolve_tiny
@@ -34,14 +32,7 @@ def _tiny(layers=3, heads=4, kv_heads=2, head_dim=16):
 def _generate(model, fields, budget, prompt_len, new_tokens, monkeypatch):
     b = Budget.parse(budget)
     method = build_method({"name": "triattention", "stats_path": triattention_stats(model), **fields}, b)
-    caches = []
-
-    class Recording(KVCache):
-        def __init__(self):
-            super().__init__()
-            caches.append(self)
-
-    monkeypatch.setattr(generate_module, "KVCache", Recording)
+    caches = record_caches(monkeypatch)
     prompt = torch.randint(3, 250, (prompt_len,), generator=torch.Generator().manual_seed(3)).tolist()
     with CompressionSession(model, method, b) as session:
         out = greedy_generate(model, [prompt], new_tokens, [], 0)
