@@ -278,6 +278,9 @@ class _Session:
     def advance(self, chunk):
         self.advanced.append(chunk)
 
+    def compression_due_in(self):
+        return None  # no compression during decode
+
 
 @pytest.mark.parametrize("steps", [16, 17, 37])
 def test_captured_loop_reads_every_step_once_in_order_across_the_ring(steps):

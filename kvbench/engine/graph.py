@@ -200,7 +200,7 @@ def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.
                 buffers.fill_uniforms(streams, chunk)
             i = 0
             while i < chunk:  # cut where the session compresses during decode (on the host, between steps)
-                due = getattr(session, "compression_due_in", lambda: None)()
+                due = session.compression_due_in()
                 part = chunk - i if due is None else min(chunk - i, max(1, due))
                 for j in range(i, i + part):
                     if done == 0 and j == 0:
