@@ -388,7 +388,7 @@ MUTANTS = [
            "return None",
            RKV, "decode-time compressions score the cache in position order, not in the code's stored order"),
     Mutant("triattention-no-rope-inversion", "triattention", "kvbench/methods/triattention.py",
-           "k = invert_rope(keys.float(), cos, sin)",
+           "k = rotate_keys(keys.float(), -positions.float(), inv_freq.float())",
            "k = keys.float()",
            TRI, "score: the post-RoPE keys scored as they are, not un-rotated at their positions"),
     Mutant("triattention-mlr-off", "triattention", "kvbench/methods/triattention.py",

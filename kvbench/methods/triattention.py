@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvbench.engine.rope import rotate_keys
 from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import Method, check_choice, check_positive
 
@@ -40,21 +41,6 @@ def geometric_offsets(max_length: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(offsets, device=device, dtype=torch.float32)
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``(..., n, D)`` of the half-split RoPE at ``positions`` ``(..., n)`` (transformers' rotary embedding:
-    ``freqs = position * inv_freq`` in float32, ``emb = cat(freqs, freqs)``; attention scaling 1)."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq.float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def invert_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``pruning_utils.invert_rope`` (style ``half``, scale 1): ``k * cos - rotate_half(k) * sin``."""
-    d = keys.shape[-1] // 2
-    rotated = torch.cat((-keys[..., d:], keys[..., :d]), dim=-1)
-    return keys * cos - rotated * sin
-
-
 def trig_scores(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                 round_start: int, inv_freq: torch.Tensor, offsets: torch.Tensor, aggregation: str,
                 disable_mlr: bool = False, disable_trig: bool = False) -> torch.Tensor:
@@ -65,8 +51,7 @@ def trig_scores(q_mean: torch.Tensor, q_abs_mean: torch.Tensor, keys: torch.Tens
     for each future distance ``delta = round_start - position + offset`` (offsets 1, 2, 4, ...),
     ``sum_f amp_f cos(delta omega_f + phi_f) + sum_f (E|q_f| - |E q_f|) |k_f|`` (the second term: ``E|q_f| |k_f|``
     with ``disable_mlr``; the first dropped with ``disable_trig``), then the mean (or max) over the offsets."""
-    cos, sin = rope_tables(inv_freq, positions)
-    k = invert_rope(keys.float(), cos, sin)
+    k = rotate_keys(keys.float(), -positions.float(), inv_freq.float())  # RoPE inverted at each key's position
     half = k.shape[-1] // 2
     k_complex = torch.complex(k[..., :half].contiguous(), k[..., half:].contiguous())  # (S, n, F)
     q_mean_abs = q_mean.abs()
