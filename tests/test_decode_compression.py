@@ -252,9 +252,12 @@ def test_smollm2_resident_kv_stays_within_budget_plus_interval(smol):
 
 
 @pytest.mark.slow
-def test_smollm2_4k_generation_stays_within_budget_plus_interval(smol):
-    """The issue's 4k-token generation (a few minutes on 2 CPU cores)."""
-    budget, interval, new = 256, 64, 4096
+def test_smollm2_long_generation_stays_within_budget_plus_interval(smol):
+    """A long generation: 2048 tokens after a 512-token prompt, 8x the budget, 31 compressions, every forward of every
+    layer checked (about 3 minutes on one core: SmolLM2's fp32 decode reads its 540 MB of weights per token). The
+    issue's 4k-token curve is the long-generation bench's CPU form (results/bench/smollm2-135m/long_generation/cpu);
+    this test was 4096 tokens (7 minutes, an eighth of the suite's CPU time) until CI had to fit in 30 minutes."""
+    budget, interval, new = 256, 64, 2048
     method = build_method(method_yaml("snapkv", interval=interval), parse_budget(budget))
     out, curve, measured = generate_with_entries(smol.model, method, parse_budget(budget), [smol_prompt(smol, 512)],
                                                  new)
