@@ -83,11 +83,14 @@ def test_methods_without_it_refuse_and_a_null_interval_is_nothing():
 
 
 @pytest.mark.parametrize(("cfg", "message"), [
-    (method_yaml("expected_attention", interval=64), r"'expected_attention' has no compression during decode"),
+    ({"name": "expected_attention", "decode_compression": {"interval": 4}},
+     r"min\(interval=4, query_buffer\+1=129\) = 4 buffered queries, not more than n_sink=4"),
+    ({"name": "expected_attention", "n_sink": 2, "decode_compression": {"interval": 64, "query_buffer": 1}},
+     r"= 2 buffered queries, not more than n_sink=2"),
     (method_yaml("keydiff", interval=64), r"'keydiff' \(with these fields\) exposes no per-entry scores"),
     (method_yaml("adakv", interval=64), r"layout='ragged' cannot .* use layout=padded"),
-    ({"name": "chunkkv", "scorer": "expected_attention", "decode_compression": {"interval": 64}},
-     r"scorer 'expected_attention' has no compression during decode"),
+    ({"name": "chunkkv", "scorer": "expected_attention", "decode_compression": {"interval": 3}},
+     r"= 3 buffered queries, not more than n_sink=4"),
     ({"name": "adakv", "scorer_fields": {"decode_compression": {"interval": 8}}}, r"the wrapper's own field"),
     ({"name": "think", "inner": {"name": "knorm", "decode_compression": {"interval": 8}}},
      r"inner.decode_compression is not composed with ThinK"),
@@ -195,7 +198,7 @@ def generate_with_entries(model, method, budget, prompts, new_tokens):
     return out, sess.stats.resident_curve, measured
 
 
-@pytest.mark.parametrize("name", ["snapkv", "knorm", "tova", "chunkkv", "adakv", "pyramidkv"])
+@pytest.mark.parametrize("name", ["snapkv", "knorm", "tova", "chunkkv", "adakv", "pyramidkv", "expected_attention"])
 def test_toy_model_keeps_the_target(toy_llama, name):
     fields = {"snapkv": {"window": 8}, "pyramidkv": {"window": 8}, "tova": {"variant": "kvpress_prefill"},
               "chunkkv": {"scorer_fields": {"window": 8}, "chunk_length": 4},
@@ -279,7 +282,8 @@ def test_job_records_carry_the_resident_curve(tmp_path):
 
 @pytest.mark.parametrize("fields", [{"name": "knorm"}, {"name": "snapkv", "window": 8},
                                     {"name": "tova", "variant": "kvpress_prefill"},
-                                    {"name": "chunkkv", "chunk_length": 4, "scorer_fields": {"window": 8}}],
+                                    {"name": "chunkkv", "chunk_length": 4, "scorer_fields": {"window": 8}},
+                                    {"name": "expected_attention"}],
                          ids=lambda f: f["name"])
 def test_batched_rows_equal_the_rows_alone(toy_llama, fields):
     """A left-padded batch compresses each row on its own entries during decode, as alone: the same tokens."""

@@ -123,3 +123,73 @@ def test_kvpress_stores_compressed_caches_out_of_position_order():
     orders = [step["order"][0] for case in CASES if case["press"] == "snapkv" for step in case["compressions"]]
     assert any(order != sorted(order) for order in orders)
     assert np.all([len(o) == len(set(o)) for o in orders])
+
+
+# ---- Expected Attention (scripts/parity/kvpress/generate_decoding_expected_attention.py) ---------------------------
+EA_FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "parity" /
+                         "kvpress_decoding_expected_attention.json").read_text())
+EA = C.DECODING_EXPECTED_ATTENTION
+
+
+def expected_attention_steps(case: dict, **fields) -> list[dict]:
+    """The engine's compressions of an Expected Attention case: the case's queries (before RoPE, as kvpress's identity
+    ``q_proj`` hands them over) rotated to their positions ``n + t`` first, as the model's attention buffers them;
+    the model's RoPE frequencies in the decode context."""
+    from kvbench.engine.rope import rotate_keys
+
+    arrays = C.decoding_inputs(case)
+    keys, values = torch.from_numpy(arrays["keys"]), torch.from_numpy(arrays["values"])
+    n, d, steps = case["n"], case["head_dim"], case["steps"]
+    inv_freq = 1.0 / (EA["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    at = torch.arange(n, n + steps).view(1, 1, steps).expand(1, case["q_heads"], steps)
+    queries = rotate_keys(torch.from_numpy(arrays["queries"]), at.float(), inv_freq)
+    dc = {"interval": case["interval"], "target_size": case["target_size"], "query_buffer": case["query_buffer"]}
+    budget = parse_budget(case["target_size"])
+    method = build_method({"name": "expected_attention", "n_sink": EA["n_sink"], **fields, "decode_compression": dc},
+                          budget)
+    layer = KVLayer()
+    layer.update(keys[:, :, :n], values[:, :, :n])
+    compressor = DecodeCompressor(method.decode_compression_spec())
+    out = []
+    for t in range(steps):
+        layer.update(keys[:, :, n + t : n + t + 1], values[:, :, n + t : n + t + 1])
+
+        def compress(buffered, target):
+            ctx = decode_context(layer, buffered, target, 0, 1, case["q_heads"], d ** -0.5, rope_inv_freq=inv_freq)
+            method.compress_decoded(layer, ctx)
+
+        if compressor.after_step(0, queries[:, :, t : t + 1], lambda: compressor.spec.target(layer.seen, budget),
+                                 compress, t + 1):
+            out.append({"step": t + 1, "kept": [sorted(int(p) for p in layer.positions[0, h].tolist())
+                                                for h in range(case["kv_heads"])]})
+    return out
+
+
+def test_expected_attention_fixture_provenance():
+    assert EA_FIXTURE["reference"].startswith("kvpress 0.5.5 DecodingPress.forward_hook around ExpectedAttentionPress")
+    assert len(EA_FIXTURE["cases"]) == 2  # the cases whose buffer holds more queries than the 4 sinks
+    for case in EA_FIXTURE["cases"]:
+        arrays = C.decoding_inputs(case)
+        assert C.digest_arrays(arrays["keys"], arrays["values"], arrays["queries"]) == case["inputs_sha256"]
+        assert len(case["compressions"]) >= 2
+
+
+@pytest.mark.parametrize("case", EA_FIXTURE["cases"], ids=[f"expected_attention-{c['index']}"
+                                                           for c in EA_FIXTURE["cases"]])
+def test_expected_attention_kept_sets_equal_kvpress_decoding_press(case):
+    """Every compression (Expected Attention's score is order-free: no stored-order exemption): the buffer's queries'
+    statistics, the first n_sink of them dropped, RoPE averaged over the positions after the buffer's length."""
+    ours = expected_attention_steps(case)
+    ref = case["compressions"]
+    assert [s["step"] for s in ours] == [s["step"] for s in ref]
+    assert [s["kept"] for s in ours] == [s["kept"] for s in ref]
+
+
+@pytest.mark.parametrize("case", EA_FIXTURE["cases"], ids=[f"expected_attention-{c['index']}"
+                                                           for c in EA_FIXTURE["cases"]])
+def test_expected_attention_fixture_tells_the_readings_apart(case):
+    """The fixture would catch another reading: without covariance, or with far fewer future positions, some
+    compression keeps another set."""
+    ref = [s["kept"] for s in case["compressions"]]
+    assert [s["kept"] for s in expected_attention_steps(case, use_covariance=False)] != ref
+    assert [s["kept"] for s in expected_attention_steps(case, n_future_positions=1)] != ref

@@ -37,10 +37,11 @@ def averaged_rope(inv_freq: torch.Tensor, start: int, count: int) -> torch.Tenso
 def expected_scores(pre_queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, inv_freq: torch.Tensor,
                     scaling: float, n_future: int, n_sink: int, use_covariance: bool, use_vnorm: bool,
                     epsilon: float) -> torch.Tensor:
-    """One row's scores ``(Hkv, n)``: pre-RoPE queries ``(Hq, n, D)``, post-RoPE keys and values ``(Hkv, n, D)``.
+    """One row's scores ``(Hkv, n)``: pre-RoPE queries ``(Hq, m, D)`` (the prompt's, ``m = n``, or a decode buffer's),
+    post-RoPE keys and values ``(Hkv, n, D)``.
 
     The queries after the ``n_sink`` first have mean ``mu`` and (population) covariance ``S`` per head; both are
-    carried to the next ``n_future`` positions by the averaged RoPE ``R`` (``R mu``, ``R S R^T``). A key's expected
+    carried to positions ``m .. m + n_future - 1`` by the averaged RoPE ``R`` (``R mu``, ``R S R^T``). A key's expected
     logit under a Gaussian query is ``s mu.k + s^2/2 k^T S k`` (s the softmax scale; kvpress writes ``1/sqrt(d)`` and
     ``1/(2d)``, the same for a default scale); softmax over the non-sink keys, mean over the KV group, times
     ``||v||`` (``+ epsilon`` first). The sinks get ``+inf`` (kvpress: the maximum + 1)."""
@@ -60,14 +61,21 @@ def expected_scores(pre_queries: torch.Tensor, keys: torch.Tensor, values: torch
     probs = torch.softmax(logits, dim=-1).view(hkv, hq // hkv, -1).mean(1)  # (Hkv, m)
     if use_vnorm:
         probs = (probs + epsilon) * values[:, n_sink:].float().norm(dim=-1)
-    sinks = torch.full((hkv, min(n_sink, n)), float("inf"), device=probs.device)
+    sinks = torch.full((hkv, min(n_sink, keys.shape[1])), float("inf"), device=probs.device)
     return torch.cat([sinks, probs], dim=-1)
 
 
 @dataclass
 class ExpectedAttention(ScorerMethod):
-    """Prefill-only: per layer and KV head, keep the ``budget`` tokens with the highest expected attention from the
+    """Per layer and KV head, keep the ``budget`` tokens with the highest expected attention from the
     next ``n_future_positions`` queries (``expected_scores``), the ``n_sink`` first tokens always kept.
+
+    During decode (``decode_compression``, kvpress ``DecodingPress(ExpectedAttentionPress())``) the statistics are the
+    buffered decode queries' (the first ``n_sink`` of the buffer dropped, as kvpress drops its first hidden states) and
+    the future positions are, as in kvpress, ``q_len .. q_len + n_future_positions - 1`` with ``q_len`` the number of
+    buffered queries (the buffer's length, not the cache's position: kvpress's reading, reproduced as it is); the
+    sinks are the cache's first ``n_sink`` entries. The buffer must hold more than ``n_sink`` queries (refused in one
+    line otherwise: kvpress would average an empty set).
 
     Defaults are kvpress's: 512 future positions, 4 sinks, covariance and value norms on, epsilon 0. The
     statistics need the prompt queries before RoPE: kvbench un-rotates the post-RoPE queries the engine hands over
@@ -92,10 +100,15 @@ class ExpectedAttention(ScorerMethod):
             raise ConfigError(f"method 'expected_attention': n_sink={self.n_sink} and epsilon={self.epsilon} must be "
                               ">= 0")
 
-    #: its statistics are those of the prompt's queries at their own positions, the future the positions after the
-    #: prompt; a buffer of decode queries is another estimate (kvpress's decode reading is not reproduced here yet)
-    decode_refusal: ClassVar[str | None] = ("its query statistics are the prompt's, at the prompt's positions; the "
-                                            "decode-time reading over a query buffer is not implemented")
+    def check_decode_queries(self, spec) -> None:
+        if spec is not None and spec.min_queries() <= self.n_sink:
+            from kvbench.errors import ConfigError
+
+            raise ConfigError(f"method 'expected_attention': decode_compression scores with min(interval="
+                              f"{spec.interval}, query_buffer+1={spec.query_buffer + 1}) = {spec.min_queries()} "
+                              f"buffered queries, not more than n_sink={self.n_sink} (kvpress drops the first n_sink "
+                              "of them: no statistics would be left); raise interval and query_buffer above "
+                              f"{self.n_sink}")
 
     def min_budget_tokens(self) -> int:
         return self.n_sink + 1
@@ -113,16 +126,20 @@ class ExpectedAttention(ScorerMethod):
         if 2 * inv_freq.numel() != d:
             raise NotAvailableError(f"method 'expected_attention': the model rotates {2 * inv_freq.numel()} of {d} "
                                     "query dimensions (partial RoPE); the averaged rotation assumes a full one")
-        positions = layer.positions[:, :1].expand(b, hq, n)  # the prompt's queries sit at their keys' positions
+        # the queries are the newest n entries' (the whole prompt at prefill; the buffered decode steps at a
+        # compression during decode, whose keys the layer appended last): each sits at its own key's position
+        entries = layer.keys.shape[2]
+        positions = layer.positions[:, :1, entries - n:].expand(b, hq, n)
         pre = rotate_keys(ctx.queries.float(), -positions.float(), inv_freq)
         scores = torch.full(layer.keys.shape[:3], float("-inf"), device=layer.keys.device)
         for row in range(b):  # statistics over the row's own tokens, padding excluded
             where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
+            queried = slice(None) if ctx.key_valid is None else ctx.key_valid[row, entries - n:]
             length = ctx.host_ints()[0][row]
             if length <= self.n_sink:
                 scores[row][:, where] = float("inf")
                 continue
             scores[row][:, where] = expected_scores(
-                pre[row][:, where], layer.keys[row][:, where], layer.values[row][:, where], inv_freq, ctx.scaling,
+                pre[row][:, queried], layer.keys[row][:, where], layer.values[row][:, where], inv_freq, ctx.scaling,
                 self.n_future_positions, self.n_sink, self.use_covariance, self.use_vnorm, self.epsilon)
         return scores

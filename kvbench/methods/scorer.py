@@ -91,6 +91,12 @@ class ScorerMethod(Method):
             raise ConfigError(f"method {self.name!r} (with these fields) exposes no per-entry scores: it has no "
                               "compression during decode; use decode_compression.interval=null")
         check_decode_compression(self, spec, budget, self.observation_window(), self.min_budget_tokens())
+        self.check_decode_queries(spec)
+
+    def check_decode_queries(self, spec: DecodeCompression | None) -> None:
+        """A ConfigError in one line when a compression during decode (``spec``) would score with too few buffered
+        queries for this score (beyond the observation window, which ``check_decode_compression`` checks); a wrapper
+        calls its scorer's with its own ``decode_compression``."""
 
     def compress_decoded(self, layer: KVLayer, ctx: PrefillContext) -> None:
         self.prefill(layer, ctx)

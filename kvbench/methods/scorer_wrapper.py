@@ -77,6 +77,8 @@ class ScorerWrapper(Method):
                               f"{refusal}; use decode_compression.interval=null")
         window = getattr(self._scorer, "observation_window", lambda: 0)()
         check_decode_compression(self, self.decode_compression_spec(), budget, window, self.min_budget_tokens())
+        if hasattr(self._scorer, "check_decode_queries"):
+            self._scorer.check_decode_queries(self.decode_compression_spec())
 
     def min_budget_tokens(self) -> int:
         return self._scorer.min_budget_tokens()

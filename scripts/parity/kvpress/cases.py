@@ -208,19 +208,29 @@ def decoding_case(index: int, seed: int) -> dict:
 def decoding_inputs(case: dict) -> dict[str, np.ndarray]:
     """The prompt's keys/values ``(1, Hkv, n, D)`` and, per decode step, its query ``(1, Hq, 1, D)`` and key/value
     ``(1, Hkv, 1, D)`` (stacked over steps on axis 2), float32. Values carry their position in channel 0 (the generator
-    reads kvpress's kept positions back from them; no scorer here reads values)."""
+    reads kvpress's kept positions back from them), times the case's ``position_scale`` (1 unless set: K-norm, KeyDiff,
+    TOVA and SnapKV read no values; Expected Attention's value norms would be the positions at scale 1)."""
     rng = np.random.RandomState(case["seed"])
     hq, hkv, d, n, steps = case["q_heads"], case["kv_heads"], case["head_dim"], case["n"], case["steps"]
     total = n + steps
     keys = (rng.standard_normal((1, hkv, total, d)) * rng.uniform(0.5, 1.5, (1, hkv, total, 1))
             + rng.standard_normal((1, hkv, 1, d))).astype(np.float32)
     values = rng.standard_normal((1, hkv, total, d)).astype(np.float32)
-    values[..., 0] = np.arange(total, dtype=np.float32)
+    values[..., 0] = np.arange(total, dtype=np.float32) * np.float32(case.get("position_scale", 1))
     queries = rng.standard_normal((1, hq, steps, d)).astype(np.float32)
     return {"keys": keys, "values": values, "queries": queries}
 
 
 def decoding_applies(case: dict, press: str) -> bool:
-    """Whether the press can score this case's buffer: SnapKV needs more queries than its window."""
+    """Whether the press can score this case's buffer: SnapKV needs more queries than its window, Expected Attention
+    more than its sinks (kvpress drops the buffer's first n_sink; kvbench refuses both at plan)."""
     queries = min(case["interval"], case["query_buffer"] + 1)
+    if press == "expected_attention":
+        return queries > DECODING_EXPECTED_ATTENTION["n_sink"]
     return press != "snapkv" or queries > DECODING_SNAPKV[0]
+
+
+#: Expected Attention's decode cases (scripts/parity/kvpress/generate_decoding_expected_attention.py): kvpress's
+#: defaults (ExpectedAttentionPress(): 512 future positions, 4 sinks, covariance and value norms on), a real RoPE
+#: (base 10000) and the values' position channel scaled down (so the value norms are not the positions)
+DECODING_EXPECTED_ATTENTION = {"n_sink": 4, "rope_theta": 10000.0, "position_scale": 1e-3}
