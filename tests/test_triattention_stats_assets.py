@@ -141,3 +141,21 @@ def test_the_command_line_refuses_unknown_names(tmp_path):
                                                      "KVBENCH_CACHE_DIR": str(tmp_path)})
     assert proc.returncode == 2 and "unknown asset(s) authors:nope; valid: " in proc.stderr
     assert "triattention (all of authors:for_aime24_experiment/qwen3_8b" in proc.stderr
+
+
+def test_the_run_refuses_offline_in_one_line_before_the_model_loads(tmp_path, monkeypatch):
+    """Through ``python -m kvbench.run``: an empty cache and no route to GitHub (a proxy on a closed local port) give
+    exit 2 and one line naming the asset, where to put it and the fetch command; the model is never loaded."""
+    import os
+
+    monkeypatch.setenv("KVBENCH_FAULT", "model_load:1")  # reaching the model's load would SIGKILL the process
+    env = {**os.environ, "KVBENCH_RESULTS_DIR": str(tmp_path / "results"), "KVBENCH_CACHE_DIR": str(tmp_path / "c"),
+           "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+    proc = subprocess.run([sys.executable, "-m", "kvbench.run", "method=triattention", "budget=128",
+                           "method.stats_path=authors:for_aime25_experiment/qwen3_8b"], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=ROOT)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "asset authors:for_aime25_experiment/qwen3_8b could not be downloaded" in lines[0]
+    assert lines[0].endswith("or run: python -m kvbench.assets authors:for_aime25_experiment/qwen3_8b")
+    assert not any((tmp_path / "c").rglob("*.pt"))
