@@ -562,7 +562,7 @@ def test_reasoning_math_plans_both_models_tasks_and_decode_compressing_methods(p
     jobs = plan_experiment(planner, "reasoning_math")
     invalid = [f"{j.label}: {j.detail}" for j in jobs if j.status == "invalid"]
     assert not invalid, invalid
-    assert len(jobs) == 92
+    assert len(jobs) == 104
     assert {j.model for j in jobs} == {"deepseek-r1-distill-qwen-7b", "qwen3-8b"}
     assert {j.task for j in jobs} == {"math500", "aime25"}
     for job in jobs:
@@ -574,8 +574,15 @@ def test_reasoning_math_plans_both_models_tasks_and_decode_compressing_methods(p
         if job.method == "fullkv":
             assert job.budget == "full"
             continue
+        if job.method == "triattention":  # its own schedule; one kept set per sequence; the authors' file
+            model = {"deepseek-r1-distill-qwen-7b": "ds_qwen7b", "qwen3-8b": "qwen3_8b"}[job.model]
+            assert job.cfg.method.stats_path == f"authors:for_aime25_experiment/{model}", job.label
+            assert job.cfg.batch_size == 1 and job.budget in {"1024", "2048", "4096"}, job.label
+            assert job.cfg.method.divide_length == 128 and job.cfg.method.use_slack_trigger, job.label
+            continue
         assert job.cfg.method.decode_compression.interval == 128, job.label
         assert job.budget in ({"1024", "2048", "4096", "0.25", "0.5"} if job.cfg.method.name in ("snapkv", "knorm")
                               else {"1024", "2048", "4096"}), job.label
     assert sum(j.method == "fullkv" for j in jobs) == 4
     assert {j.cfg.method.decode_compression.query_buffer for j in jobs if j.method == "rkv"} == {8}
+    assert sum(j.method == "triattention" for j in jobs) == 12

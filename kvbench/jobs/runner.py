@@ -187,6 +187,7 @@ def refuse_before_loading(job: Job, jobdir: Any, data_ready: bool = False) -> No
     from kvbench.store import JobLockedError
 
     refuse_known_architecture(job.spec)
+    job.method.fetch_assets()  # a named file (TriAttention's statistics) cached or downloaded, else one line
     jobdir.read_records()
     if jobdir.lock_held():  # another process runs it: say so now, not after this one has loaded the model
         raise JobLockedError(f"job {jobdir.path} is being run by another process; skipping it")

@@ -104,6 +104,10 @@ class Method:
         what it keeps)."""
         return 1
 
+    def fetch_assets(self) -> None:
+        """Before any model loads (``refuse_before_loading``): obtain the files the method's config names
+        (TriAttention's statistics), refusing in one line if they cannot be had. Most methods name no file."""
+
     def check_layers(self, num_layers: int) -> None:
         """Refuse (ConfigError) a model on which this method would act on no layer: called when a session starts, with
         the number of layers it compresses (OmniKV's filter layers may cover them all). Default: nothing."""

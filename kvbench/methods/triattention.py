@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvbench.assets.github import fetch_file, named_stats
 from kvbench.engine.rope import rotate_keys
 from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import Method, check_choice, check_positive
@@ -142,6 +143,10 @@ class TriAttention(Method):
     Statistics (``stats_path``): a ``.pt`` in the authors' format, calibrated on the model being run (the authors'
     ``triattention/calibration/for_aime2{4,5}_experiment/*.pt`` for their 8B models;
     ``tests/fixtures/triattention/smollm2-135m.pt`` for SmolLM2-135M, from ``scripts/calibrate.py`` on one essay).
+    The authors' files are named ``authors:for_aime2{4,5}_experiment/{qwen3_8b,ds_qwen7b,ds_llama8b}``
+    (``kvbench.assets.github.TRIATTENTION_STATS``: pinned commit and sha256): a job with one plans without the file
+    (its key is ``<file name>#sha256:<16 hex>`` of the pinned sha256, the key a local copy of the same bytes and name
+    gives) and fetches it before the model loads (``fetch_assets``).
     A missing file, or statistics for another model (layers, query heads, head_dim, RoPE style), is refused in one
     line.
 
@@ -196,18 +201,28 @@ class TriAttention(Method):
         if self.stats_path is None:
             raise ConfigError(f"method {self.name!r}: stats_path=null; it needs calibrated query statistics of the "
                               f"model (method.stats_path=<file.pt>); {HOW_TO_CALIBRATE}")
+        if named_stats(str(self.stats_path)) is None:  # a named file is known by its pinned sha256: plans without it
+            self.stats()
+
+    def fetch_assets(self) -> None:
+        """Before any model loads: resolve a named statistics file (cache, else a checked download; offline and not
+        cached: one line naming the asset, where to put it and the fetch command) and load it."""
         self.stats()
 
     def stats(self):
         if self._stats is None:
-            self._stats = load_stats(str(self.stats_path))
+            named = named_stats(str(self.stats_path))
+            self._stats = load_stats(str(fetch_file(named) if named is not None else self.stats_path))
         return self._stats
 
     def describe(self) -> dict:
         """The statistics file is named by its file name and content hash, not its path (POD's block map): a job's key
         does not depend on where the file lives, and another calibration is another job."""
         described = super().describe()
-        if self.stats_path is not None and Path(self.stats_path).is_file():
+        named = named_stats(str(self.stats_path)) if self.stats_path is not None else None
+        if named is not None:  # the same key as a local file of the same name and bytes
+            described["stats_path"] = f"{named.file_name}#sha256:{named.sha256[:16]}"
+        elif self.stats_path is not None and Path(self.stats_path).is_file():
             import hashlib
 
             digest = hashlib.sha256(Path(self.stats_path).read_bytes()).hexdigest()[:16]
