@@ -562,7 +562,7 @@ def test_reasoning_math_plans_both_models_tasks_and_decode_compressing_methods(p
     jobs = plan_experiment(planner, "reasoning_math")
     invalid = [f"{j.label}: {j.detail}" for j in jobs if j.status == "invalid"]
     assert not invalid, invalid
-    assert len(jobs) == 104
+    assert len(jobs) == 116
     assert {j.model for j in jobs} == {"deepseek-r1-distill-qwen-7b", "qwen3-8b"}
     assert {j.task for j in jobs} == {"math500", "aime25"}
     for job in jobs:
@@ -586,3 +586,4 @@ def test_reasoning_math_plans_both_models_tasks_and_decode_compressing_methods(p
     assert sum(j.method == "fullkv" for j in jobs) == 4
     assert {j.cfg.method.decode_compression.query_buffer for j in jobs if j.method == "rkv"} == {8}
     assert sum(j.method == "triattention" for j in jobs) == 12
+    assert sum(j.method == "expected_attention" for j in jobs) == 12
