@@ -23,7 +23,7 @@ pytestmark = pytest.mark.compat
 #: every method with a compression during decode, in a form the captured step runs (AdaKV: its padded layout)
 METHODS = {"snapkv": {"window": 4}, "knorm": {}, "tova": {"variant": "kvpress_prefill"},
            "adakv": {"scorer_fields": {"window": 4}, "layout": "padded"}, "rkv": {"window": 4},
-           "rkv_position": {"name": "rkv", "window": 4, "cache_order": "position"}}
+           "rkv_position": {"name": "rkv", "window": 4, "cache_order": "position"}, "expected_attention": {}}
 
 
 def _method(name: str, budget: Budget, interval: int, query_buffer: int = 128, **decode):
