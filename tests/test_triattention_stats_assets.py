@@ -6,6 +6,7 @@ the downloader is replaced; nothing here reads the authors' repository."""
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -159,3 +160,18 @@ def test_the_run_refuses_offline_in_one_line_before_the_model_loads(tmp_path, mo
     assert "asset authors:for_aime25_experiment/qwen3_8b could not be downloaded" in lines[0]
     assert lines[0].endswith("or run: python -m kvbench.assets authors:for_aime25_experiment/qwen3_8b")
     assert not any((tmp_path / "c").rglob("*.pt"))
+
+
+def test_a_wrong_file_in_the_cache_is_refused_in_one_line(catalog):
+    """A file put at the cached path by hand is checked too: the job key names the pinned bytes, so other bytes there
+    would be results stored under the wrong key."""
+    entry, calls = catalog
+    cached = github.cached_path(entry)
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"another file")
+    method = build_method({"name": "triattention", "stats_path": "authors:test/smol"}, Budget.parse(128))
+    digest = hashlib.sha256(b"another file").hexdigest()
+    with pytest.raises(DataError, match=re.escape(f"at {cached} has sha256 {digest}, expected {entry.sha256}; remove "
+                                                  "it and run: python -m kvbench.assets authors:test/smol")):
+        method.fetch_assets()
+    assert calls == [] and cached.read_bytes() == b"another file"  # nothing downloaded over it, nothing deleted
