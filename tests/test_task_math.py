@@ -412,3 +412,60 @@ class TestRescoring:
         records = [{"prediction": "\\boxed{5} cut", "answers": ["5"], "meta": {"think_opened": True}},
                    {"prediction": "\\boxed{5} cut", "answers": ["5"], "meta": {"think_opened": False}}]
         assert math500(records)["score"] == 50.0
+
+
+class ThinkingTokenizer(WordTokenizer):
+    """Qwen3's template's one variable: ``enable_thinking=False`` closes an empty think block after the header."""
+
+    def __init__(self):
+        super().__init__("<|im_start|>assistant\n")
+        self.calls = []
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, **kwargs):
+        self.calls.append(kwargs)
+        text = super().apply_chat_template(messages, add_generation_prompt, tokenize)
+        return text + ("<think> </think> " if kwargs.get("enable_thinking", True) is False else "")
+
+
+class TestEnableThinking:
+    """kvpress renders the chat template with ``enable_thinking=False``: ``task.enable_thinking`` passes the variable;
+    null passes nothing and stays out of the job key."""
+
+    def test_null_passes_nothing_and_is_left_out_of_the_key(self):
+        from kvbench.jobs.plan import _task_fields
+
+        task = _task(Math500Task, chat_template=True)
+        tokenizer = ThinkingTokenizer()
+        task.samples(tokenizer)
+        assert tokenizer.calls and all(call == {} for call in tokenizer.calls)
+        assert "enable_thinking" not in task.protocol() and "enable_thinking" not in _task_fields(task)
+        off = _task(Math500Task, chat_template=True, enable_thinking=False)
+        assert off.protocol()["enable_thinking"] is False and _task_fields(off)["enable_thinking"] is False
+        assert off.protocol() != task.protocol()
+
+    def test_false_reaches_the_template_and_the_prompt(self):
+        from types import SimpleNamespace
+
+        from kvbench.tasks.encoding import render_prompt
+
+        spec = SimpleNamespace(name="qwen3-like", chat_template=True, context_length=100_000, max_input_tokens=None)
+        thinking, plain = ThinkingTokenizer(), ThinkingTokenizer()
+        task = _task(Math500Task, chat_template=True, enable_thinking=False)
+        sample = task.samples(thinking)[0]
+        text, templated = render_prompt(task, sample, thinking, spec)
+        assert templated and text.endswith("<|im_start|>assistant\n<think> </think> ")
+        assert {"enable_thinking": False} in thinking.calls
+        default = _task(Math500Task, chat_template=True)
+        text, _ = render_prompt(default, default.samples(plain)[0], plain, spec)
+        assert text.endswith("<|im_start|>assistant\n")
+        # the prompt counted against max_length is the one fed: 2 words more with the empty think block
+        counted = [s.max_new_tokens for s in default.samples(plain)]
+        assert [c - s.max_new_tokens for c, s in zip(counted, task.samples(thinking))] == [2] * 6
+
+    def test_without_the_chat_template_it_is_refused_in_one_line(self):
+        with pytest.raises(ConfigError, match=r"task 'math500': enable_thinking=False is a chat template variable; "
+                                              r"it needs chat_template=true \(null: the template's default\)"):
+            _task(Math500Task, enable_thinking=False)
+        cfg = OmegaConf.merge(OmegaConf.load(CONF / "math500.yaml"), {"chat_template": True, "enable_thinking": "no"})
+        with pytest.raises(ConfigError, match=r"task 'math500': enable_thinking"):
+            build_task(cfg)

@@ -142,6 +142,9 @@ def test_protocol_holds_every_field():
         protocol = task.protocol()
         assert protocol["task"] == name and protocol["version"] == task.version
         # data_dir / data_file say where the files are, not what they are: they stay out of the result key
-        assert {f.name for f in dataclasses.fields(task)} - {"data_dir", "data_file"} <= set(protocol)
+        # a field a task keys only once set (MathTask.enable_thinking) is in the protocol exactly when it is set
+        unset = {n for n in getattr(task, "keyed_when_set", ()) if getattr(task, n) is None}
+        assert {f.name for f in dataclasses.fields(task)} - {"data_dir", "data_file"} - unset <= set(protocol)
+        assert not unset & set(protocol)
         assert not {"data_dir", "data_file"} & set(protocol)
     assert build_task({"name": "needle"}).protocol()["depths"] == [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]

@@ -254,7 +254,9 @@ def _task_fields(task: Any) -> dict[str, Any]:
 
     if not dataclasses.is_dataclass(task):
         return {}
-    return {f.name: getattr(task, f.name) for f in dataclasses.fields(task) if f.name != "data_dir"}
+    unset = {name for name in getattr(task, "keyed_when_set", ()) if getattr(task, name) is None}
+    return {f.name: getattr(task, f.name) for f in dataclasses.fields(task)
+            if f.name != "data_dir" and f.name not in unset}
 
 
 def _engine_compile(cfg: DictConfig) -> bool:

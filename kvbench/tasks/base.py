@@ -93,6 +93,11 @@ class Task(ABC):
     def stop_strings_for(self, sample: Sample) -> list[str]:
         return list(sample.stop_strings if sample.stop_strings is not None else self.stop_strings)
 
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments of ``tokenizer.apply_chat_template`` (a template variable such as Qwen3's
+        ``enable_thinking``); none by default."""
+        return {}
+
     def chat_template_for(self, sample: Sample) -> bool:
         """Whether this sample's prompt goes into the chat template (LongBench: not for its few-shot/code sets)."""
         return self.chat_template

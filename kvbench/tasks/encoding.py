@@ -50,7 +50,8 @@ def render_prompt(task: Task, sample: Sample, tokenizer: Any, spec: ModelSpec) -
     if uses_chat_template(task, spec, tokenizer, sample):
         messages = [{"role": "system", "content": sample.system}] if sample.system else []
         messages.append({"role": "user", "content": prompt})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **task.chat_template_kwargs())
         return text + sample.assistant_prefix, True
     return prompt + sample.assistant_prefix, False
 
@@ -112,7 +113,8 @@ def encode_follow_up(task: Task, sample: Sample, turn: int, tokenizer: Any, spec
         messages = [{"role": "system", "content": sample.system}] if sample.system else []
         messages += [{"role": "user", "content": "context"}, {"role": "assistant", "content": marker},
                      {"role": "user", "content": follow_up}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **task.chat_template_kwargs())
         if marker not in text:
             raise ConfigError(f"task {task.name!r}: the chat template of model {spec.name!r} drops assistant turns; "
                               "multi-turn prompts cannot be built with it")

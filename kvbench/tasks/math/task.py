@@ -77,6 +77,8 @@ class MathTask(Task):
     system: a system prompt for the chat template (null: none; TriAttention's chat mode would use "You are a helpful
         assistant.", only with its ``use_chat_template: true``).
     chat_template: apply the model's chat template (TriAttention and R-KV: false; kvpress: true).
+    enable_thinking: the chat template's ``enable_thinking`` variable (Qwen3's: false answers without thinking, as
+        kvpress's evaluation renders it); null: the template's default, the variable not passed (left out of the key).
     think: ``after_close`` (the answer is read after the last ``</think>``; a trace cut inside thinking has none) or
         ``ignore`` (the whole output, as the three reference scripts read it).
     max_new_tokens / max_length: new tokens per sample are ``min(max_new_tokens, max_length - prompt tokens)``;
@@ -87,6 +89,8 @@ class MathTask(Task):
 
     name: ClassVar[str] = "math"
     version: ClassVar[str] = "1"
+    #: fields left out of the job key while null (results stored before they existed keep their hash)
+    keyed_when_set: ClassVar[tuple[str, ...]] = ("enable_thinking",)
     metric: ClassVar[str] = "math_verify_accuracy"
     benchmark: ClassVar[str] = "math500"
     score_scale: ClassVar[float] = 100.0  # 0/1 per problem, accuracy in percent (R-KV's and TriAttention's acc)
@@ -96,6 +100,7 @@ class MathTask(Task):
     prompt: str = "rkv"
     system: str | None = None
     chat_template: bool = False
+    enable_thinking: bool | None = None
     think: str = "after_close"
     max_new_tokens: int = 32768
     max_length: int | None = 32768
@@ -115,6 +120,11 @@ class MathTask(Task):
         if self.system is not None:
             check_str(self.name, "system", self.system)
         check_bool(self.name, "chat_template", self.chat_template)
+        if self.enable_thinking is not None:
+            check_bool(self.name, "enable_thinking", self.enable_thinking)
+            if not self.chat_template:
+                raise ConfigError(f"task {self.name!r}: enable_thinking={self.enable_thinking} is a chat template "
+                                  "variable; it needs chat_template=true (null: the template's default)")
         check_str(self.name, "think", self.think, grader.THINK_MODES)
         if self.max_length is not None:
             check_int(self.name, "max_length", self.max_length, minimum=2)
@@ -155,7 +165,11 @@ class MathTask(Task):
     def _chat_text(self, tokenizer: Any, prompt: str) -> str:
         messages = [{"role": "system", "content": self.system}] if self.system else []
         messages.append({"role": "user", "content": prompt})
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **self.chat_template_kwargs())
+
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
     def prompt_tokens(self, tokenizer: Any, prompt: str) -> int:
         """Tokens of the encoded prompt, counted as ``kvbench.tasks.encoding.encode_sample`` encodes it (chat template
@@ -207,7 +221,8 @@ class MathTask(Task):
                 "grader": f"math-verify {grader.math_verify_version()}"}
 
     def protocol(self) -> dict[str, Any]:
-        fields = {k: v for k, v in protocol_fields(self).items() if k != "data_dir"}
+        fields = {k: v for k, v in protocol_fields(self).items()
+                  if k != "data_dir" and not (k in self.keyed_when_set and v is None)}
         source = data.SOURCES[self.benchmark]
         return {**super().protocol(), **fields, "prompt_template": PROMPTS[self.prompt]["template"],
                 "data": {"hub": source.hub, "revision": source.revision},
