@@ -50,15 +50,18 @@ def method_for(case: dict):
     return build_method({**fields, "decode_compression": dc}, parse_budget(case["target_size"]))
 
 
-def kvbench_steps(case: dict, kvpress_order: bool = False) -> list[dict]:
+def kvbench_steps(case: dict, kvpress_order: bool = False, method=None, queries=None,
+                  rope_inv_freq=None) -> list[dict]:
     """The engine's compressions of the case: step and kept positions per KV head. ``kvpress_order``: before each
     compression after the first, the layer's older entries are put in the order kvpress stored them (the fixture's
-    ``order`` of the previous compression), the appended ones after them, as in kvpress's cache."""
+    ``order`` of the previous compression), the appended ones after them, as in kvpress's cache. ``method``,
+    ``queries`` and ``rope_inv_freq``: another method than the case's press names, the queries as the model's
+    attention buffers them (default: the case's), the model's RoPE frequencies in the decode context."""
     arrays = C.decoding_inputs(case)
     keys, values = torch.from_numpy(arrays["keys"]), torch.from_numpy(arrays["values"])
-    queries = torch.from_numpy(arrays["queries"])
+    queries = torch.from_numpy(arrays["queries"]) if queries is None else queries
     n, d = case["n"], case["head_dim"]
-    method = method_for(case)
+    method = method_for(case) if method is None else method
     layer = KVLayer()
     layer.update(keys[:, :, :n], values[:, :, :n])
     compressor = DecodeCompressor(method.decode_compression_spec())
@@ -78,7 +81,8 @@ def kvbench_steps(case: dict, kvpress_order: bool = False) -> list[dict]:
                     t = getattr(layer, name)
                     setattr(layer, name, torch.gather(t, 2, index.unsqueeze(-1).expand(*index.shape, t.shape[-1])))
                 layer.positions = torch.gather(layer.positions, -1, index)
-            ctx = decode_context(layer, buffered, target, 0, 1, case["q_heads"], d ** -0.5)
+            ctx = decode_context(layer, buffered, target, 0, 1, case["q_heads"], d ** -0.5,
+                                 rope_inv_freq=rope_inv_freq)
             method.compress_decoded(layer, ctx)
 
         if compressor.after_step(0, queries[:, :, t : t + 1], lambda: compressor.spec.target(layer.seen, budget),
@@ -137,32 +141,14 @@ def expected_attention_steps(case: dict, **fields) -> list[dict]:
     the model's RoPE frequencies in the decode context."""
     from kvbench.engine.rope import rotate_keys
 
-    arrays = C.decoding_inputs(case)
-    keys, values = torch.from_numpy(arrays["keys"]), torch.from_numpy(arrays["values"])
     n, d, steps = case["n"], case["head_dim"], case["steps"]
     inv_freq = 1.0 / (EA["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     at = torch.arange(n, n + steps).view(1, 1, steps).expand(1, case["q_heads"], steps)
-    queries = rotate_keys(torch.from_numpy(arrays["queries"]), at.float(), inv_freq)
+    queries = rotate_keys(torch.from_numpy(C.decoding_inputs(case)["queries"]), at.float(), inv_freq)
     dc = {"interval": case["interval"], "target_size": case["target_size"], "query_buffer": case["query_buffer"]}
-    budget = parse_budget(case["target_size"])
     method = build_method({"name": "expected_attention", "n_sink": EA["n_sink"], **fields, "decode_compression": dc},
-                          budget)
-    layer = KVLayer()
-    layer.update(keys[:, :, :n], values[:, :, :n])
-    compressor = DecodeCompressor(method.decode_compression_spec())
-    out = []
-    for t in range(steps):
-        layer.update(keys[:, :, n + t : n + t + 1], values[:, :, n + t : n + t + 1])
-
-        def compress(buffered, target):
-            ctx = decode_context(layer, buffered, target, 0, 1, case["q_heads"], d ** -0.5, rope_inv_freq=inv_freq)
-            method.compress_decoded(layer, ctx)
-
-        if compressor.after_step(0, queries[:, :, t : t + 1], lambda: compressor.spec.target(layer.seen, budget),
-                                 compress, t + 1):
-            out.append({"step": t + 1, "kept": [sorted(int(p) for p in layer.positions[0, h].tolist())
-                                                for h in range(case["kv_heads"])]})
-    return out
+                          parse_budget(case["target_size"]))
+    return kvbench_steps(case, method=method, queries=queries, rope_inv_freq=inv_freq)
 
 
 def test_expected_attention_fixture_provenance():
