@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from kvbench.methods import METHODS
 from kvbench.report import readme
@@ -20,7 +19,7 @@ from kvbench.report.cli import main as report_main
 from kvbench.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_KEYS = set(yaml.safe_load((ROOT / "conf" / "config.yaml").read_text()) or {})
+CONFIG_KEYS = readme.config_keys(ROOT)
 
 
 def _block(name: str, file: str = "README.md") -> str:
@@ -54,21 +53,6 @@ def test_every_registered_method_has_exactly_one_row():
     assert set(entries) == set(METHODS.entries), "readme.yaml: an entry per registered method, none other"
 
 
-def _options(text: str) -> list[tuple[str, str]]:
-    out = []
-    for token in re.findall(r"`([^`]*)`", text):
-        for part in re.split(r",\s*|\s+", token):
-            match = re.match(r"^([a-z_]+)=(\S+)$", part)
-            if match:
-                out.append((match[1], match[2]))
-    return out
-
-
-def _parse(raw: str):
-    value = yaml.safe_load(raw)
-    return raw if isinstance(value, bool) and raw.lower() not in ("true", "false") else value  # `offload=on`
-
-
 def _accepts(name: str, fields: dict) -> str | None:
     """None when the method builds with ``fields``, else the error."""
     try:
@@ -88,12 +72,12 @@ def test_every_reading_named_is_a_value_the_method_accepts(name):
     cls = METHODS.get_class(name)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     for clause in text.split(";"):
-        together = {f: _parse(v) for f, v in _options(clause) if f not in CONFIG_KEYS}
-        for field, value in _options(clause):
+        together = {f: readme.parse_value(v) for f, v in readme.reading_options(clause) if f not in CONFIG_KEYS}
+        for field, value in readme.reading_options(clause):
             if field in CONFIG_KEYS:
                 continue
             assert field in fields, f"{name}: `{field}` is not a field (fields: {sorted(fields)})"
-            error = _accepts(name, {field: _parse(value)})
+            error = _accepts(name, {field: readme.parse_value(value)})
             if error is not None and _accepts(name, together) is not None:
                 assert f"{field}={value} needs" in error, f"{name}: `{field}={value}`: {error}"
     for token in re.findall(r"`([a-z_]+)`", text):  # a bare field name: still a field (or another method's name)
@@ -103,8 +87,9 @@ def test_every_reading_named_is_a_value_the_method_accepts(name):
 def test_the_reading_check_sees_a_bad_value():
     assert "is not valid" in _accepts("h2o", {"variant": "prefill_onyl"})
     assert "gate=calibrated needs" in _accepts("pod", {"gate": "calibrated"})  # valid, needs a calibrated map
-    assert _parse("on") == "on" and _parse("true") is True and _parse("0") == 0
-    assert _options("`variant=kvfactory` (x); `a=1`, `b=2`") == [("variant", "kvfactory"), ("a", "1"), ("b", "2")]
+    assert readme.parse_value("on") == "on" and readme.parse_value("true") is True and readme.parse_value("0") == 0
+    assert readme.reading_options("`variant=kvfactory` (x); `a=1`, `b=2`") == [
+        ("variant", "kvfactory"), ("a", "1"), ("b", "2")]
 
 
 def test_every_task_config_and_registered_task_has_exactly_one_row():

@@ -293,6 +293,31 @@ NO_STATIC = [("cam", {}), ("roco", {}), ("sirllm", {}), ("pod", {}), ("infllm", 
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
 
 
+def test_every_method_without_a_static_step_says_why_in_its_own_words():
+    """A method that can decode host-driven only overrides ``static_refusal`` with its own reason (the line
+    ``engine.decode=graph`` refuses with and docs/efficiency.md's generated table shows), for its default
+    configuration and for the readings listed in NO_STATIC; the contract's fallback text is never what a user reads."""
+    from pathlib import Path
+
+    import yaml
+
+    from kvbench.methods import METHODS, Method
+
+    root = Path(__file__).resolve().parents[1]
+    configs = []
+    for name in METHODS.entries:
+        conf = yaml.safe_load((root / "conf" / "method" / f"{name}.yaml").read_text()) or {}
+        configs.append((name, {k: v for k, v in conf.items() if k != "name"}))
+    without = []
+    for name, fields in configs + NO_STATIC:
+        m = METHODS.build(name, fields)
+        if m.static_policy(1 << 30) is None:
+            without.append(name)
+            assert type(m).static_refusal is not Method.static_refusal, f"{name}: no static_refusal of its own"
+            assert m.static_refusal() != Method.static_refusal(m) and "\n" not in m.static_refusal()
+    assert {"cam", "roco", "pyramidinfer", "lminfinite", "sirllm", "pod", "infllm", "cla", "offload"} <= set(without)
+
+
 @pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else
                          ",".join(f"{k}={v}" for k, v in x.items() if k != "filter_layers") or "-")
 def test_methods_without_a_static_step_are_refused(toy_llama, method, fields):

@@ -265,7 +265,7 @@ class CompressionSession:
             self.__exit__()
             raise ConfigError(
                 f"engine.compile=true: method {self.method.name!r} has no static decode step "
-                f"({self.method.static_refusal()}; see the README's engine.compile line); use engine.compile=false"
+                f"({self.method.static_refusal()}; docs/efficiency.md lists each method's); use engine.compile=false"
             )
 
     def _check_ragged(self) -> None:

@@ -140,8 +140,10 @@ class Method:
         return False
 
     def static_refusal(self) -> str:
-        """Why ``static_policy`` is None (one line, in ``engine.compile``'s refusal)."""
-        return "it merges, attends itself or scores by the logits"
+        """Why ``static_policy`` is None: one line naming what the method does per step that the captured step cannot
+        (``engine.decode=graph``'s refusal, ``auto``'s log line and the generated table in docs/efficiency.md). Every
+        method whose ``static_policy`` can be None overrides it (tests/test_static_decode.py)."""
+        return "it has per-step work with no static form"
 
     def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
         """What a prompt of ``prompt_len`` tokens must show under ``budget`` on a model of ``num_layers`` attention

@@ -97,6 +97,12 @@ class CaM(Method):
         self.needs_decode_probs = self.variant == "paper"
         self._rng: dict[int, torch.Generator] = {}
 
+    def static_refusal(self) -> str:
+        return (
+            "the paper reading merges the token leaving the window into the next r values with a Bernoulli draw from "
+            "its per-layer generator at every step (variant=prefill_only has no decode work and is captured)"
+        )
+
     def min_budget_tokens(self) -> int:
         return self.window + 1 if self.variant == "prefill_only" else 2
 

@@ -69,6 +69,12 @@ class CLA(Method):
                 raise ConfigError(f"method 'cla': {key}={getattr(self, key)!r} must be true or false")
         self._sources: dict[int, KVLayer] = {}  # lowest layer of a group -> its cache layer
 
+    def static_refusal(self) -> str:
+        return (
+            "its upper layers attend the cache of their group's lowest layer with their own queries and keep none; "
+            "the captured step gives every layer its own slots"
+        )
+
     def validate(self, budget: Budget) -> None:
         if not (self.adapted_checkpoint or self.allow_untrained):
             raise NotAvailableError(

@@ -111,6 +111,12 @@ class InfLLM(Method):
         self._params: tuple[int, int, int] | None = None  # (n_init, topk, n_local) of the current sample
         self._memory: dict[int, _Memory] = {}
 
+    def static_refusal(self) -> str:
+        return (
+            "its decode attention is its own: the local window at true distances plus retrieved blocks at a fixed "
+            "re-rotated distance, with blocks forming from the window's attention as tokens leave it"
+        )
+
     @property
     def explicit(self) -> bool:
         return self.n_local is not None

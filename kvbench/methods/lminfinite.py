@@ -126,6 +126,13 @@ class LMInfinite(Method):
     def __post_init__(self) -> None:
         check_positive(self.name, n_global=self.n_global, chunk=self.chunk)
 
+    def static_refusal(self) -> str:
+        return (
+            "its decode attention is its own: the global tokens beyond the window are attended at the distance "
+            "ceiling (the query re-rotated to position n_local, the key to 0), which the captured step's attention "
+            "over keys at their stored rotation does not do"
+        )
+
     def min_budget_tokens(self) -> int:
         return self.n_global + 1
 

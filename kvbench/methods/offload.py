@@ -102,6 +102,12 @@ class BrutalOffload(Method):
         self._fetched: dict[int, tuple[Any, Any]] = {}  # layer -> in-flight GPU copies
         self.host_bytes = 0  # prompt KV bytes held in host memory for the current sample
 
+    def static_refusal(self) -> str:
+        return (
+            "it copies the last layers' prompt KV between host and GPU memory on a side stream at every step, which a "
+            "captured graph cannot replay"
+        )
+
     def budget_label(self, budget: Budget) -> str:
         return "full"  # the budget is unused: every token is attended
 

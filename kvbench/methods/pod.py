@@ -107,6 +107,12 @@ class POD(Method):
         self.skipped = 0  # (layer, head, query) distant parts skipped by the tau gate
         self.gated = 0
 
+    def static_refusal(self) -> str:
+        return (
+            "its decode attention is its own: non-lowest layers combine their proximal attention with the block's "
+            "lowest layer's distant logits through the log-sum-exp gate"
+        )
+
     def _calibration(self) -> torch.Tensor:
         cal = (self._map or {}).get("gate_offsets")
         if not cal:

@@ -131,6 +131,12 @@ class PyramidInfer(Method):
         self._frozen: dict[int, int] = {}  # layer -> leading entries never compressed again
         self._stash: torch.Tensor | None = None  # recent rows computed by prefill_attend for prefill
 
+    def static_refusal(self) -> str:
+        return (
+            "its decode state lives outside the cache (each layer's last W query rows) and every gen_chunk steps it "
+            "rescores the generated entries that left the window with them"
+        )
+
     def window(self, budget: int) -> int:
         return 1 + int(self.recent_ratio * budget)
 

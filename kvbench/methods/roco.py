@@ -92,6 +92,12 @@ class RoCo(Method):
             raise ConfigError(f"method 'roco': exclude_last={self.exclude_last} and sink_size={self.sink_size} "
                               "must be >= 0")
 
+    def static_refusal(self) -> str:
+        return (
+            "its eviction reads three statistics per entry (attention sum, squares and count: mean and std) and picks "
+            "from a pool sorted by std; the captured step's slots carry one accumulated score"
+        )
+
     def min_budget_tokens(self) -> int:
         return 2
 

@@ -66,6 +66,9 @@ class SirLLM(Method):
         if not 0 < self.decay_ratio <= 1:
             raise ConfigError(f"method 'sirllm': decay_ratio={self.decay_ratio} must be in (0, 1]")
 
+    def static_refusal(self) -> str:
+        return "it scores each entry by its token's surprisal, read from the logits after every forward"
+
     def min_budget_tokens(self) -> int:
         return self.start_size + 1
 

@@ -16,6 +16,8 @@ Blocks:
   reference), its idea (the docstring's first paragraph), where it acts (the ``Method`` hooks its class overrides),
   its defaults (``conf/method/<name>.yaml`` resolved by the class: what ``method=<name>`` runs) and the other
   readings it offers (hand-written in ``readme.yaml``, every ``field=value`` checked by the tests);
+* ``captured-decode``: one row per registered method: whether its default configuration decodes as one captured
+  step (``engine.decode=graph``) or host-driven with its ``static_refusal``, and the readings that decode otherwise;
 * ``tasks``: one row per group of task configs (``conf/task/``) with the registered task each names and its folder,
   in the order of the task packages' declarations (``kvbench/tasks/<task>/task_spec.py``, which also hold the rows'
   hand-written protocol and metric);
@@ -153,6 +155,64 @@ def methods_block(root: Path) -> str:
         paper = entry.get("paper") or paper or "—"
         lines.append(f"| `{name}` | {_cell(paper)} | {_cell(idea)} | {_cell(acts(cls))} | {defaults(name, root)} | "
                      f"{_cell(entry.get('readings', '—'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def reading_options(text: str) -> list[tuple[str, str]]:
+    """The ``field=value`` pairs written in backticks in a hand-written readings text (``readme.yaml``), in order."""
+    out = []
+    for token in re.findall(r"`([^`]*)`", text):
+        for part in re.split(r",\s*|\s+", token):
+            match = re.match(r"^([a-z_]+)=(\S+)$", part)
+            if match:
+                out.append((match[1], match[2]))
+    return out
+
+
+def parse_value(raw: str) -> Any:
+    """A reading's value as the config would give it (YAML), a word YAML reads as a boolean kept as written
+    (``offload=on``)."""
+    value = yaml.safe_load(raw)
+    return raw if isinstance(value, bool) and raw.lower() not in ("true", "false") else value
+
+
+def config_keys(root: Path) -> set[str]:
+    """The top-level options of ``conf/config.yaml`` (``position_mode``, ...): named in readings, not method fields."""
+    return set(yaml.safe_load((root / "conf" / "config.yaml").read_text(encoding="utf-8")) or {})
+
+
+def captured_status(method: Any) -> str:
+    """How ``method`` decodes under ``engine.decode=graph``: "captured" where it has a static step
+    (``Method.static_policy``), else "host-driven: <its static_refusal>" (what the refusal says)."""
+    if method.static_policy(1 << 30) is not None:
+        return "captured"
+    return f"host-driven: {method.static_refusal()}"
+
+
+def captured_decode_block(root: Path) -> str:
+    """One row per registered method: how its default configuration decodes under ``engine.decode=graph`` (the
+    default on CUDA where the job can take it), and each hand-written reading (``readme.yaml``, the clause's options
+    together) that decodes otherwise."""
+    from kvbench.methods import METHODS
+
+    entries, keys = data()["methods"], config_keys(root)
+    lines = ["| method | default configuration | readings that decode otherwise |", "|---|---|---|"]
+    for name in METHODS.entries:
+        conf = yaml.safe_load((root / "conf" / "method" / f"{name}.yaml").read_text(encoding="utf-8")) or {}
+        base = {k: v for k, v in conf.items() if k != "name"}
+        default = captured_status(METHODS.build(name, base))
+        others = []
+        for clause in str((entries.get(name) or {}).get("readings", "")).split(";"):
+            options = [(f, v) for f, v in reading_options(clause) if f not in keys]
+            if not options:
+                continue
+            try:
+                status = captured_status(METHODS.build(name, {**base, **{f: parse_value(v) for f, v in options}}))
+            except Exception:  # noqa: BLE001 - a reading that needs an input it names (a calibrated map)
+                continue
+            if status != default:
+                others.append(f"{', '.join(f'`{f}={v}`' for f, v in options)}: {status}")
+        lines.append(f"| `{name}` | {_cell(default)} | {_cell('; '.join(others) or '—')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -311,6 +371,7 @@ def question_new_methods(root: Path) -> str:
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "methods": methods_block,
+    "captured-decode": captured_decode_block,
     "tasks": tasks_block,
     "miniature-summary": miniature_summary,
     "miniature-verdicts": miniature_verdicts,
