@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from kvbench.bench.measure import PeakMemory, largest_fitting
 from kvbench.bench.run import _run, expand, judge, targets_markdown
+from kvbench.budget import Budget
 from kvbench.config import CONF_DIR
 from kvbench.errors import ConfigError
 
@@ -362,3 +363,33 @@ def test_a_named_variant_is_its_own_row_with_its_config_merged_key_by_key(tmp_pa
     for bad in ("bench.grids.0.methods=[{name:x}]", "bench.grids.0.methods=[{name:x,method:snapkv,extra:1}]"):
         with pytest.raises(ConfigError, match="must be a method's name or a mapping"):
             expand(_cfg(tmp_path, bad).bench)
+
+
+def test_kernels_metric_names_what_one_decode_step_runs(toy_llama):
+    """``decode_kernels``: the difference of two profiled generations per step. FullKV's step runs the fused SDPA
+    operator and no softmax; H2O's (which accumulates probabilities) materialises its softmax; both count the same
+    operators per step as a longer difference would (the prompt and the first step cancel)."""
+    from types import SimpleNamespace
+
+    from kvbench.bench.measure import decode_kernels
+    from kvbench.methods import build_method
+
+    budget = Budget.parse(32)
+    prompts = [list(range(3, 67))]
+    tok = SimpleNamespace(pad_token_id=0)
+    full = decode_kernels(toy_llama, build_method({"name": "fullkv"}, Budget.full()), Budget.full(), prompts, tok)
+    h2o = decode_kernels(toy_llama, build_method({"name": "h2o"}, budget), budget, prompts, tok)
+    assert full["device"] == "cpu" and full["steps"] == 8 and full["per_step"] > 0
+    names = {row[0] for row in full["attention"]}
+    assert any("scaled_dot_product" in n for n in names) and not any("softmax" in n for n in names)
+    assert any("softmax" in row[0] for row in h2o["attention"])
+    again = decode_kernels(toy_llama, build_method({"name": "fullkv"}, Budget.full()), Budget.full(), prompts, tok,
+                           short=2, long=6)
+    assert again["steps"] == 4 and again["per_step"] == full["per_step"]
+    assert all(calls == int(calls) for _, calls, _ in full["top"])  # whole operators per step
+
+
+def test_kernels_metric_needs_the_decode_metric(tmp_path):
+    grid = "bench.grids=[{metrics:[memory,kernels],methods:[fullkv],budgets:[64],context_lengths:[256]}]"
+    with pytest.raises(ConfigError, match="kernels profiles the decode step"):
+        expand(_cfg(tmp_path, grid).bench)

@@ -189,6 +189,7 @@ def test_gpu_targets_states_the_issues_targets(tmp_path):
                                        "transformers_dynamic", "transformers_static_compiled")] + [
         ("fullkv", 16), ("snapkv", 16)]
     assert cfg.bench.floor.copy_mib == 1024 and cfg.bench.warmup == 2 and cfg.bench.repeats == 3
+    assert "kernels" in cfg.bench.grids[0].metrics  # which attention kernel each batch-1 step runs (item 6)
 
     def row(method, batch, ms, floor_ms):
         return {"method": method, "budget": "full" if method == "fullkv" else "128", "context_length": 8192,

@@ -14,6 +14,7 @@ fresh process per measurement (``kvbench.bench.probe``). Prefill ratios to FullK
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -47,6 +48,8 @@ class CellResult:
     prefill_baseline_seconds: float | None = None  # paired cells: the baseline's median, timed alternately
     prefill_baseline_seconds_all: list[float] | None = None
     prefill_ratio_paired: float | None = None  # median of (method / baseline) over the pairs
+    #: ``kernels``: what one decode step runs (``decode_kernels``): kernels (CUDA) or operators (CPU) per step
+    decode_kernels: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -241,8 +244,68 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
                                                         * loaded.kv_bytes_per_token())
         if result.resident_kv_bytes is None:
             result.resident_kv_bytes = session.stats.resident_kv_bytes_after_prefill
+        if "kernels" in metrics:  # after the timed runs: the captured step's graphs are warm
+            result.decode_kernels = decode_kernels(model, method, budget, prompts, tok, compile=compile)
         release_slot_pool(model)  # the captured decode's buffers stay out of the next cell's memory
     return result
+
+
+#: names of the kernels (or CPU operators) that compute attention, for ``decode_kernels``' ``attention`` list
+ATTENTION_KERNEL = re.compile(r"attention|attn|fmha|flash|sdpa|softmax", re.I)
+
+
+def _kernel_table(prof, cuda: bool) -> dict[str, tuple[int, float]]:
+    """``{name: (calls, self microseconds)}`` of a profile: CUDA kernels (device events) on a GPU, the dispatcher's
+    ``aten::`` operators (their self CPU time) on a CPU."""
+    from torch.autograd import DeviceType
+
+    table = {}
+    for evt in prof.key_averages():
+        if cuda:
+            if evt.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(evt, "self_device_time_total", None)
+            us = evt.self_cuda_time_total if us is None else us
+        else:
+            if not evt.key.startswith("aten::"):
+                continue
+            us = evt.self_cpu_time_total
+        calls, total = table.get(evt.key, (0, 0.0))
+        table[evt.key] = (calls + evt.count, total + float(us))
+    return table
+
+
+@torch.inference_mode()
+def decode_kernels(model, method: Method, budget: Budget, prompts, tokenizer, compile: bool = False,
+                   short: int = 4, long: int = 12, top: int = 20) -> dict[str, Any]:
+    """What one decode step runs, measured with ``torch.profiler``: two generations of ``short`` and ``long`` new
+    tokens on the cell's prompts, each profiled whole, and their difference divided by ``long - short`` (the
+    prompt's forward, the first step and the session's set-up cancel; what remains is the steady step, captured
+    when ``compile``). Returns ``{"device": "cuda" | "cpu", "steps", "per_step": total calls per step, "top": [[name,
+    calls per step, microseconds per step], ...]`` (the ``top`` costliest), ``"attention": [...]`` (the rows whose
+    name matches ``ATTENTION_KERNEL``)}. On a GPU the names are the device kernels (a fused attention kernel shows as
+    its flash or memory-efficient kernel, a materialised softmax as its own kernel); on a CPU the ``aten::``
+    operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    tables = []
+    for steps in (short, long):
+        with CompressionSession(model, method, budget, compile=compile, tokenizer=tokenizer), \
+                profile(activities=activities) as prof:
+            greedy_generate(model, prompts, steps, [], tokenizer.pad_token_id)
+            _sync(model.device)
+        tables.append(_kernel_table(prof, cuda))
+    n = long - short
+    rows = []
+    for name, (calls, us) in tables[1].items():
+        calls0, us0 = tables[0].get(name, (0, 0.0))
+        if calls > calls0:
+            rows.append([name, round((calls - calls0) / n, 3), round(max(us - us0, 0.0) / n, 3)])
+    rows.sort(key=lambda r: (-r[2], r[0]))
+    return {"device": "cuda" if cuda else "cpu", "steps": n, "per_step": round(sum(r[1] for r in rows), 3),
+            "top": rows[:top], "attention": [r for r in rows if ATTENTION_KERNEL.search(r[0])]}
 
 
 def samples_per_minute(loaded, method: Method, budget: Budget, context_length: int, batch_size: int,

@@ -1,6 +1,7 @@
 """Expand a bench config into cells, measure the missing ones, store them, and judge the targets.
 
 A bench config (``conf/bench/<name>.yaml``) is data: ``grids`` (each: ``metrics`` among prefill / memory / decode /
+kernels (what one decode step runs, ``measure.decode_kernels``; needs decode) /
 max_batch, ``methods``, ``budgets`` (FullKV's are ignored), ``context_lengths``, ``batch_sizes``, optional
 ``new_tokens`` and ``repeats`` (else the bench's), ``method_overrides``, ``memory_limit_gb`` for max_batch, and
 ``paired: true`` to time each method's prefill alternately with FullKV's, and ``peers``: plain transformers rows
@@ -36,7 +37,7 @@ from kvbench.config import CONF_DIR
 from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
 
 log = logging.getLogger("kvbench.bench")
-METRICS = ("prefill", "memory", "decode", "max_batch", "throughput")
+METRICS = ("prefill", "memory", "decode", "max_batch", "throughput", "kernels")
 FIELDS = ("model", "device", "dtype", "threads", "method", "budget", "context_length", "batch_size")
 
 
@@ -87,6 +88,9 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                               f"non-empty list of {', '.join(METRICS)}")
         if "max_batch" in grid["metrics"] and not grid.get("memory_limit_gb"):
             raise ConfigError(f"bench {bench.name!r} grid {index}: max_batch needs memory_limit_gb")
+        if "kernels" in grid["metrics"] and "decode" not in grid["metrics"]:
+            raise ConfigError(f"bench {bench.name!r} grid {index}: kernels profiles the decode step after the timed "
+                              f"decode (its graphs warm); add decode to the grid's metrics")
         peers = [check_peer(p) for p in grid.get("peers") or []]
         if peers and "decode" not in grid["metrics"]:
             raise ConfigError(f"bench {bench.name!r} grid {index}: peers {peers} time decode only; add decode to the "
@@ -351,7 +355,7 @@ def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
+            writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
 
 
 def budget_bytes(loaded, budget: Budget, length: int, batch: int) -> int:
