@@ -7,7 +7,8 @@
 # Everything goes to a temporary directory (printed at the end). It honours the machine's pip configuration: where
 # pip is capped (a constraints file), the cap applies; PIP_CONSTRAINT= (empty) lifts a cap set through PIP_CONSTRAINT,
 # PIP_CONFIG_FILE=/dev/null one set in pip's configuration file (not PIP_CONSTRAINT=: 2026-11-27, torch<=2.14.1 from
-# /etc/xdg/pip/pip.conf still applied). torch 2.14.1 was the newest tested this way (pytest -m compat; see pyproject).
+# /etc/xdg/pip/pip.conf still applied). torch 2.14.1 was the newest tested this way (pytest -m compat); 2.15.0 with
+# the whole suite, after the cap was lifted (see pyproject).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d -t kvbench-latest-XXXX)"

@@ -20,7 +20,7 @@ from typing import Any
 CACHE_KEYWORDS = ("cache", "past_key_values")
 #: the ranges pyproject declares and CI tests at both ends (a test checks that pyproject says the same)
 SUPPORTED_TRANSFORMERS = ">=5.6,<6"
-SUPPORTED_TORCH = ">=2.6,<2.15"
+SUPPORTED_TORCH = ">=2.6,<2.16"
 
 
 def _is_cache(value: Any) -> bool:
@@ -71,7 +71,7 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
 
 
 def versions_line() -> str:
-    """``transformers 5.24.0, torch 2.13.0 (supported: transformers >=5.6,<6, torch >=2.6,<2.15)``."""
+    """``transformers 5.24.0, torch 2.13.0 (supported: transformers >=5.6,<6, torch >=2.6,<2.16)``."""
     import torch
     import transformers
 
