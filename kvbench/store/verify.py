@@ -113,7 +113,7 @@ def inspect(path: Path) -> JobReport:
         report.problems.append("config.yaml is missing")
     else:
         try:
-            stored_config = yaml.safe_load(config.read_text())
+            stored_config = yaml.load(config.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
             key = stored_config["key"]
             if config_hash(key)[:12] != path.name:
                 report.problems.append(f"config key hashes to {config_hash(key)[:12]}, not {path.name}")
