@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import logging
 from functools import cache
-
-from rouge_score import rouge_scorer
+from typing import Any
 
 # rouge_score logs "Using default tokenizer." at INFO through absl on every scorer; keep job logs readable.
 logging.getLogger("absl").setLevel(logging.WARNING)
 
 
 @cache
-def _scorer(rouge_type: str, use_stemmer: bool) -> rouge_scorer.RougeScorer:
+def _scorer(rouge_type: str, use_stemmer: bool) -> Any:
+    """``rouge_scorer.RougeScorer`` (imported here: rouge-score imports nltk, about 2 s, which a job that never
+    scores with ROUGE, and every command line that only refuses its input, should not wait for)."""
+    from rouge_score import rouge_scorer
+
     return rouge_scorer.RougeScorer([rouge_type], use_stemmer=use_stemmer)
 
 
