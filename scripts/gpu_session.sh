@@ -13,12 +13,16 @@
 #               on the 2026-11 image). The node's packages are never changed: DIR/site is put on PYTHONPATH.
 #   2. check    scripts/gpu_check.py: every registered method, CUDA vs CPU in fp32, then bf16 in a left-padded batch
 #               (smollm2-135m-random, 1,024 tokens; RoCo's sequential prefill on 192) -> gpu_check.json
-#   3. bench    python -m kvbench.bench bench=gpu_targets model=llama3-8b-random model.dtype=bfloat16
-#               -> results/bench/llama3-8b-random/gpu_targets/<device>/ (cells resume if a later run repeats it)
+#   3. bench    python -m kvbench.bench bench=gpu_targets model=llama3-8b-random model.dtype=bfloat16 (issue #36's
+#               decode targets) -> results/bench/llama3-8b-random/gpu_targets/<device>/ (cells resume if run again)
+#   4. prefill  python -m kvbench.bench bench=gpu_prefill model=llama3-8b-random model.dtype=bfloat16 (issue #37's
+#               prefill bounds, every method paired with FullKV at 4k, and where each prefill's time goes)
+#               -> results/bench/llama3-8b-random/gpu_prefill/<device>/
 # Budget on one H100/H200: 8 minutes in all (KVBENCH_SESSION_SECONDS=480): install at most 120 s, the check 200 s,
-# the bench what is left (at least 60 s); --device cpu: 15 minutes, the check 480 s. A step that times out is recorded
-# as such; later steps still run. KVBENCH_BENCH_ARGS adds bench overrides (only_grids=[0]: gpu_targets' batch-1 grid
-# alone, without batch 16); a bench cut by its timeout resumes from its stored cells when run again.
+# the decode bench what is left but 120 s (at least 60 s), the prefill bench the rest (at least 60 s); --device cpu:
+# 15 minutes, the check 480 s. A step that times out is recorded as such; later steps still run. KVBENCH_BENCH_ARGS
+# adds decode-bench overrides (only_grids=[0]: gpu_targets' batch-1 grid alone, without batch 16); a bench cut by its
+# timeout resumes from its stored cells when run again.
 # Exit status: 0 when every step passed, 2 when the install refused, 1 otherwise. summary.txt lists each step.
 #
 # Rehearsed on a CPU, 2026-11-27 (2 shared cores, python 3.11), offline, in a fresh venv holding what the GPU image
@@ -64,10 +68,14 @@ status=0
 if [ "$device" = cpu ]; then  # a rehearsal: the same steps on the tiny model; a shared 2-core CPU needs minutes
     check_args=(--device cpu --model tiny-random --length 256 --sequential-length 160)
     bench_args=(bench=smoke model=tiny-random)
+    prefill_args=(bench=gpu_prefill model=tiny-random 'bench.grids.0.context_lengths=[256]' 'bench.grids.0.budgets=[64]'
+                  'bench.grids.0.methods=[fullkv,snapkv,h2o,kvzip]' bench.targets.0.context_length=256
+                  bench.targets.1.context_length=256 bench.targets.2.context_length=256)
     total="${KVBENCH_SESSION_SECONDS:-900}" check_seconds=480
 else
     check_args=(--device "$device")
     bench_args=(bench=gpu_targets model=llama3-8b-random model.dtype=bfloat16)
+    prefill_args=(bench=gpu_prefill model=llama3-8b-random model.dtype=bfloat16)
     total="${KVBENCH_SESSION_SECONDS:-480}" check_seconds=200
 fi
 
@@ -98,9 +106,12 @@ if ! step install 120 "$python" -m kvbench.bundle install "$bundle"; then
     exit 2
 fi
 step check "$check_seconds" "$python" scripts/gpu_check.py "${check_args[@]}" --out "$out/gpu_check.json" || status=1
-left=$((total - (SECONDS - start) - 20))
+left=$((total - (SECONDS - start) - 20 - 120))
 [ "$left" -lt 60 ] && left=60
 read -r -a extra_bench_args <<< "${KVBENCH_BENCH_ARGS:-}"  # e.g. KVBENCH_BENCH_ARGS='only_grids=[0]'
 step bench "$left" "$python" -m kvbench.bench "${bench_args[@]}" "${extra_bench_args[@]}" || status=1
+left=$((total - (SECONDS - start) - 20))
+[ "$left" -lt 60 ] && left=60
+step prefill "$left" "$python" -m kvbench.bench "${prefill_args[@]}" || status=1
 echo "kvbench session: $((SECONDS - start)) s; $( [ $status -eq 0 ] && echo 'every step passed' || echo 'a step failed' ) (summary.txt); results in $out"
 exit $status

@@ -395,3 +395,24 @@ def test_kernels_metric_needs_the_decode_metric(tmp_path):
     grid = "bench.grids=[{metrics:[memory,kernels],methods:[fullkv],budgets:[64],context_lengths:[256]}]"
     with pytest.raises(ConfigError, match="kernels profiles the decode step"):
         expand(_cfg(tmp_path, grid).bench)
+
+
+def test_prefill_kernels_say_where_a_prefill_goes(toy_llama):
+    """``prefill_kernels``: one profiled prefill. SnapKV's scoring adds its observation window's softmax and pooling to
+    FullKV's operators; both attend the prompt with the fused SDPA operator."""
+    from kvbench.bench.measure import prefill_kernels
+    from kvbench.methods import build_method
+
+    ids = torch.arange(3, 131).view(1, -1)
+    full = prefill_kernels(toy_llama, build_method({"name": "fullkv"}, Budget.full()), Budget.full(), ids)
+    snap = prefill_kernels(toy_llama, build_method({"name": "snapkv"}, Budget.parse(48)), Budget.parse(48), ids)
+    assert full["device"] == "cpu" and 0 < full["calls"] < snap["calls"]
+    assert any("scaled_dot_product" in row[0] for row in full["attention"])
+    assert any("softmax" in row[0] for row in snap["attention"]) and not any("softmax" in r[0] for r in full["top"])
+    assert all(len(row) == 3 and row[1] >= 1 for row in snap["top"])
+
+
+def test_prefill_kernels_metric_needs_the_prefill_metric(tmp_path):
+    grid = "bench.grids=[{metrics:[memory,prefill_kernels],methods:[fullkv],budgets:[64],context_lengths:[256]}]"
+    with pytest.raises(ConfigError, match="prefill_kernels profiles a prefill"):
+        expand(_cfg(tmp_path, grid).bench)

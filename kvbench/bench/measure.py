@@ -50,6 +50,8 @@ class CellResult:
     prefill_ratio_paired: float | None = None  # median of (method / baseline) over the pairs
     #: ``kernels``: what one decode step runs (``decode_kernels``): kernels (CUDA) or operators (CPU) per step
     decode_kernels: dict[str, Any] | None = None
+    #: ``prefill_kernels``: where one prefill's time goes (``prefill_kernels``): its kernels (CUDA) or operators (CPU)
+    prefill_kernels: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -221,6 +223,8 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         # from the stored timings, so that a reader recomputes the stored ratio from the record exactly
         result.prefill_ratio_paired = round(statistics.median(
             m / b for m, b in zip(result.prefill_seconds_all, result.prefill_baseline_seconds_all)), 4)
+    if "prefill_kernels" in metrics:  # after the timed prefills: warm
+        result.prefill_kernels = prefill_kernels(model, method, budget, ids, tok)
     if "decode" in metrics:
         outs = []
         for i in range(warmup + repeats):
@@ -275,6 +279,38 @@ def _kernel_table(prof, cuda: bool) -> dict[str, tuple[int, float]]:
     return table
 
 
+def _rows(table: dict[str, tuple[int, float]], per: int = 1) -> list[list]:
+    """``[name, calls / per, microseconds / per]`` of a ``_kernel_table``, costliest first."""
+    rows = [[name, round(calls / per, 3), round(us / per, 3)] for name, (calls, us) in table.items() if calls > 0]
+    rows.sort(key=lambda r: (-r[2], r[0]))
+    return rows
+
+
+def _summary(rows: list[list], cuda: bool, top: int, **extra: Any) -> dict[str, Any]:
+    return {"device": "cuda" if cuda else "cpu", **extra, "calls": round(sum(r[1] for r in rows), 3),
+            "top": rows[:top], "attention": [r for r in rows if ATTENTION_KERNEL.search(r[0])]}
+
+
+def _activities(cuda: bool) -> list:
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+
+def prefill_kernels(model, method: Method, budget: Budget, ids: torch.Tensor, tokenizer=None,
+                    top: int = 20) -> dict[str, Any]:
+    """Where one prefill's time goes, measured with ``torch.profiler`` over one ``_prefill`` (the method's prefill
+    work and its extra forwards inside): ``{"device", "calls": kernels (CUDA) or aten operators (CPU) in all, "top":
+    [[name, calls, microseconds], ...] (the ``top`` costliest), "attention": [...] (the rows ``ATTENTION_KERNEL``
+    names)}``."""
+    from torch.profiler import profile
+
+    cuda = model.device.type == "cuda"
+    with profile(activities=_activities(cuda)) as prof:
+        _prefill(model, method, budget, ids, tokenizer)
+    return _summary(_rows(_kernel_table(prof, cuda)), cuda, top)
+
+
 @torch.inference_mode()
 def decode_kernels(model, method: Method, budget: Budget, prompts, tokenizer, compile: bool = False,
                    short: int = 4, long: int = 12, top: int = 20) -> dict[str, Any]:
@@ -286,26 +322,22 @@ def decode_kernels(model, method: Method, budget: Budget, prompts, tokenizer, co
     name matches ``ATTENTION_KERNEL``)}. On a GPU the names are the device kernels (a fused attention kernel shows as
     its flash or memory-efficient kernel, a materialised softmax as its own kernel); on a CPU the ``aten::``
     operators."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     cuda = model.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     tables = []
     for steps in (short, long):
         with CompressionSession(model, method, budget, compile=compile, tokenizer=tokenizer), \
-                profile(activities=activities) as prof:
+                profile(activities=_activities(cuda)) as prof:
             greedy_generate(model, prompts, steps, [], tokenizer.pad_token_id)
             _sync(model.device)
         tables.append(_kernel_table(prof, cuda))
     n = long - short
-    rows = []
-    for name, (calls, us) in tables[1].items():
-        calls0, us0 = tables[0].get(name, (0, 0.0))
-        if calls > calls0:
-            rows.append([name, round((calls - calls0) / n, 3), round(max(us - us0, 0.0) / n, 3)])
-    rows.sort(key=lambda r: (-r[2], r[0]))
-    return {"device": "cuda" if cuda else "cpu", "steps": n, "per_step": round(sum(r[1] for r in rows), 3),
-            "top": rows[:top], "attention": [r for r in rows if ATTENTION_KERNEL.search(r[0])]}
+    diff = {name: (calls - tables[0].get(name, (0, 0.0))[0], max(us - tables[0].get(name, (0, 0.0))[1], 0.0))
+            for name, (calls, us) in tables[1].items()}
+    summary = _summary(_rows(diff, n), cuda, top, steps=n)
+    summary["per_step"] = summary.pop("calls")
+    return summary
 
 
 def samples_per_minute(loaded, method: Method, budget: Budget, context_length: int, batch_size: int,

@@ -1,7 +1,8 @@
 """Expand a bench config into cells, measure the missing ones, store them, and judge the targets.
 
 A bench config (``conf/bench/<name>.yaml``) is data: ``grids`` (each: ``metrics`` among prefill / memory / decode /
-kernels (what one decode step runs, ``measure.decode_kernels``; needs decode) /
+kernels (what one decode step runs, ``measure.decode_kernels``; needs decode) / prefill_kernels (where a
+prefill's time goes, ``measure.prefill_kernels``; needs prefill) /
 max_batch, ``methods``, ``budgets`` (FullKV's are ignored), ``context_lengths``, ``batch_sizes``, optional
 ``new_tokens`` and ``repeats`` (else the bench's), ``method_overrides``, ``memory_limit_gb`` for max_batch, and
 ``paired: true`` to time each method's prefill alternately with FullKV's, and ``peers``: plain transformers rows
@@ -37,7 +38,7 @@ from kvbench.config import CONF_DIR
 from kvbench.errors import ConfigError, KVBenchError, NotAvailableError
 
 log = logging.getLogger("kvbench.bench")
-METRICS = ("prefill", "memory", "decode", "max_batch", "throughput", "kernels")
+METRICS = ("prefill", "memory", "decode", "max_batch", "throughput", "kernels", "prefill_kernels")
 FIELDS = ("model", "device", "dtype", "threads", "method", "budget", "context_length", "batch_size")
 
 
@@ -88,6 +89,9 @@ def expand(bench: DictConfig, only: Any = None) -> list[dict[str, Any]]:
                               f"non-empty list of {', '.join(METRICS)}")
         if "max_batch" in grid["metrics"] and not grid.get("memory_limit_gb"):
             raise ConfigError(f"bench {bench.name!r} grid {index}: max_batch needs memory_limit_gb")
+        if "prefill_kernels" in grid["metrics"] and "prefill" not in grid["metrics"]:
+            raise ConfigError(f"bench {bench.name!r} grid {index}: prefill_kernels profiles a prefill after the timed "
+                              f"ones (warm); add prefill to the grid's metrics")
         if "kernels" in grid["metrics"] and "decode" not in grid["metrics"]:
             raise ConfigError(f"bench {bench.name!r} grid {index}: kernels profiles the decode step after the timed "
                               f"decode (its graphs warm); add decode to the grid's metrics")
