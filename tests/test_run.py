@@ -149,16 +149,77 @@ BAD = [
 ]
 
 
+#: runs ``kvbench.run`` as ``python -m kvbench.run`` does (``runpy``, fresh module globals) for each single-job case of
+#: BAD in one process, one after another, each with its own results directory and captured stdout / stderr: one Python
+#: start-up and one import of torch for all of them instead of one each (55 processes took ~170 s of the suite).
+#: Before each case the warnings' "already shown" registries are reset (a filter mutation), so a case prints a
+#: warning as it would in a process of its own. Sweeps (-m, experiments) still run in their own process.
+BATCH_DRIVER = r"""
+import contextlib, io, json, os, runpy, sys, warnings
+
+cases, results = json.loads(sys.argv[1]), []
+for index, (args, results_dir) in enumerate(cases):
+    print(f"case {index}: {' '.join(args)}", file=sys.__stderr__, flush=True)
+    os.environ["KVBENCH_RESULTS_DIR"] = results_dir
+    sys.argv = ["kvbench.run", *args]
+    warnings.simplefilter("default", Warning, append=True)  # mutates the filters: shown-once registries reset
+    warnings.onceregistry.clear()
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("kvbench.run", run_name="__main__", alter_sys=True)  # as python -m kvbench.run
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def _sweep(args) -> bool:
+    return any(a in ("-m", "--multirun") or a.lstrip("+").startswith("experiment=") for a in args)
+
+
+@pytest.fixture(scope="module")
+def bad_outcomes(tmp_path_factory) -> dict[str, dict]:
+    """``{case id: {code, stdout, stderr, results}}`` for every single-job case of BAD, all run in one process with
+    ``KVBENCH_FAULT=model_load:1`` (a case that reached the model's loading kills the whole process: exit -9, and the
+    last ``case N`` line on stderr names it)."""
+    root = tmp_path_factory.mktemp("bad")
+    cases = [(a, str(root / str(i) / "results")) for i, (a, _) in enumerate(BAD) if not _sweep(a)]
+    env = {**os.environ, "KVBENCH_FAULT": "model_load:1"}
+    proc = subprocess.run([sys.executable, "-c", BATCH_DRIVER, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = json.loads(proc.stdout.splitlines()[-1])
+    return {" ".join(a): {**o, "results": Path(r)} for (a, r), o in zip(cases, outcomes)}
+
+
 @pytest.mark.parametrize("args, message", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_input_is_one_clear_line(tmp_path, args, message, monkeypatch):
-    # a process that reached the model's loading would SIGKILL itself there (exit -9, not 2): no timing needed
-    monkeypatch.setenv("KVBENCH_FAULT", "model_load:1")
-    proc = _run(args, tmp_path, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
-    assert "Traceback" not in proc.stderr and "Loading" not in proc.stderr + proc.stdout  # no model loaded
-    assert not (tmp_path / "results").exists()  # nothing at all, not even Hydra's log directory (issue #38)
+def test_bad_input_is_one_clear_line(tmp_path, args, message, monkeypatch, bad_outcomes):
+    if _sweep(args):  # a process of its own
+        # a process that reached the model's loading would SIGKILL itself there (exit -9, not 2): no timing needed
+        monkeypatch.setenv("KVBENCH_FAULT", "model_load:1")
+        proc = _run(args, tmp_path, timeout=60)
+        code, stdout, stderr, results = proc.returncode, proc.stdout, proc.stderr, tmp_path / "results"
+    else:
+        got = bad_outcomes[" ".join(args)]
+        code, stdout, stderr, results = got["code"], got["stdout"], got["stderr"], got["results"]
+    assert code == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+    assert "Traceback" not in stderr and "Loading" not in stderr + stdout  # no model loaded
+    assert not results.exists()  # nothing at all, not even Hydra's log directory (issue #38)
+
+
+def test_the_batched_bad_input_driver_reports_what_a_process_of_its_own_reports(tmp_path, bad_outcomes):
+    """The batch driver against ``python -m kvbench.run`` itself on three cases (a config error, a method's field,
+    a refusal after planning): the same exit code, stderr and stdout."""
+    for args in (["budget=abc"], ["method=h2o", "method.recent_ratio=1.5"], ["method=offload"]):
+        alone = subprocess.run([sys.executable, "-m", "kvbench.run", *args], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "KVBENCH_FAULT": "model_load:1",
+                                                 "KVBENCH_RESULTS_DIR": str(tmp_path / "results")})
+        got = bad_outcomes[" ".join(args)]
+        assert (got["code"], got["stderr"], got["stdout"]) == (alone.returncode, alone.stderr, alone.stdout)
 
 
 def test_dotted_overrides_list_the_dataclass_fields():
