@@ -36,6 +36,9 @@
 #       KVBENCH_SESSION_OUT=/tmp/session bash /tmp/kvbundle/src/scripts/gpu_session.sh /tmp/kvbundle --device cpu
 # -> 137 s wall (install 3 s: 16 wheels, hydra-core / omegaconf / antlr4 among them, datasets left out for lack of
 # pyarrow; check 71 s: 29/29 methods pass, AdaKV 1,021 kept entries; bench=smoke 58 s), every step passed.
+# Again 2026-11-28 at 2044749 with the GPU image's own versions, torch 2.11.0 (+cu130, run on the CPU) and transformers
+# 5.17.0, the same way: 110 s wall (install 3 s; check 40 s: 31/31 methods pass; bench=smoke 55 s; the prefill step
+# 9 s), every step passed.
 set -uo pipefail
 
 usage() { echo "usage: $0 BUNDLE_DIR [--device cuda|cpu]" >&2; exit 2; }
