@@ -416,3 +416,14 @@ def test_prefill_kernels_metric_needs_the_prefill_metric(tmp_path):
     grid = "bench.grids=[{metrics:[memory,prefill_kernels],methods:[fullkv],budgets:[64],context_lengths:[256]}]"
     with pytest.raises(ConfigError, match="prefill_kernels profiles a prefill"):
         expand(_cfg(tmp_path, grid).bench)
+
+
+def test_a_profiler_failure_is_stored_as_its_error_not_the_cells_end(caplog):
+    from kvbench.bench.measure import _profiled
+
+    def decode_kernels(*args, **kwargs):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED\nmore")
+
+    assert _profiled(decode_kernels, 1, x=2) == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
+    assert "decode_kernels failed" in caplog.text
+    assert _profiled(lambda *a: {"calls": len(a)}, 1, 2) == {"calls": 2}

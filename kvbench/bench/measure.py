@@ -14,6 +14,7 @@ fresh process per measurement (``kvbench.bench.probe``). Prefill ratios to FullK
 
 from __future__ import annotations
 
+import logging
 import re
 import statistics
 import time
@@ -224,7 +225,7 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         result.prefill_ratio_paired = round(statistics.median(
             m / b for m, b in zip(result.prefill_seconds_all, result.prefill_baseline_seconds_all)), 4)
     if "prefill_kernels" in metrics:  # after the timed prefills: warm
-        result.prefill_kernels = prefill_kernels(model, method, budget, ids, tok)
+        result.prefill_kernels = _profiled(prefill_kernels, model, method, budget, ids, tok)
     if "decode" in metrics:
         outs = []
         for i in range(warmup + repeats):
@@ -249,9 +250,20 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         if result.resident_kv_bytes is None:
             result.resident_kv_bytes = session.stats.resident_kv_bytes_after_prefill
         if "kernels" in metrics:  # after the timed runs: the captured step's graphs are warm
-            result.decode_kernels = decode_kernels(model, method, budget, prompts, tok, compile=compile)
+            result.decode_kernels = _profiled(decode_kernels, model, method, budget, prompts, tok, compile=compile)
         release_slot_pool(model)  # the captured decode's buffers stay out of the next cell's memory
     return result
+
+
+def _profiled(profile_fn, *args, **kwargs) -> dict[str, Any]:
+    """``profile_fn(*args, **kwargs)``, or ``{"error": ...}`` where the profiler itself fails (the cell's timings,
+    measured before, are kept and the failure is stored in its place, with one warning line)."""
+    try:
+        return profile_fn(*args, **kwargs)
+    except RuntimeError as exc:
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        logging.getLogger("kvbench.bench").warning("%s failed; stored as its error: %s", profile_fn.__name__, message)
+        return {"error": message}
 
 
 #: names of the kernels (or CPU operators) that compute attention, for ``decode_kernels``' ``attention`` list
