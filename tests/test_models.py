@@ -163,6 +163,30 @@ def test_a_gemma_tokenizer_built_wrongly_from_the_gguf_is_refused_before_the_wei
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_release_known_to_build_the_gemma_tokenizer_wrongly_is_refused_before_the_download(tmp_path, monkeypatch):
+    """transformers < 5.23 without a converted copy in the cache: one line before the GGUF (253 MB) is fetched; with a
+    copy converted by a newer release, it loads (nothing is refused)."""
+    from kvbench.errors import NotAvailableError
+    from kvbench.models import loading
+
+    monkeypatch.setenv("KVBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("transformers.__version__", "5.22.0")
+    gemma = loading.EMBEDDED_MODELS["gemma3-270m"]
+    monkeypatch.setitem(loading.EMBEDDED_MODELS, "gemma3-270m",
+                        dataclasses.replace(gemma, gguf=lambda: pytest.fail("the GGUF was fetched")))
+    with pytest.raises(NotAvailableError, match=r"^transformers 5.22.0 builds the Gemma-3-270M tokenizer from its "
+                                                r"GGUF file wrongly \(releases before 5.23 do\); convert the model"):
+        loading.embedded_model_dir("gemma3-270m")
+    assert not (tmp_path / "models").exists()
+    copy = tmp_path / "models" / gemma.directory
+    copy.mkdir(parents=True)
+    for name in loading._MODEL_FILES:
+        (copy / name).write_text("{}")
+    assert loading.embedded_model_dir("gemma3-270m") == copy  # a copy converted elsewhere: no refusal
+    monkeypatch.setattr("transformers.__version__", "5.23.0")
+    loading.EMBEDDED_MODELS["gemma3-270m"].check_release()  # 5.23+: the probe decides
+
+
 def test_llama3_instruct_configs_stop_at_eot():
     for name in ("llama3-8b-instruct", "llama3-8b-instruct-262k", "llama3.1-8b-instruct", "llama3.1-70b-instruct"):
         spec = spec_from_config(OmegaConf.load(REPO / "conf" / "model" / f"{name}.yaml"))

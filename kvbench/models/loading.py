@@ -475,6 +475,7 @@ def embedded_model_dir(name: str = DEFAULT_EMBEDDED) -> Path:
     target = assets.cache_dir() / "models" / embedded.directory
     if _has_files(target, _MODEL_FILES):
         return target
+    embedded.check_release()  # before fetching anything
     log.warning("kvbench: converting the embedded %s GGUF to safetensors once (about %d s): %s",
                 embedded.title, embedded.convert_seconds, target)
     if embedded.terms is not None:
@@ -586,6 +587,23 @@ class EmbeddedModel:
     terms: Callable[[], str] | None = None
     tokenizer_probe: tuple[str, tuple[int, ...]] | None = None
     tokenizer_from: str | None = None
+
+    def check_release(self) -> None:
+        """Before fetching the GGUF (Gemma's 253 MB): a transformers older than ``tokenizer_from`` is refused in one
+        line, the line ``check_tokenizer`` gives once the file is there (those releases are known to build this
+        tokenizer wrongly; the probe still checks every newer one)."""
+        if self.tokenizer_from is None:
+            return
+        import transformers
+        from packaging.version import Version
+
+        if Version(transformers.__version__).release < Version(self.tokenizer_from).release:
+            raise NotAvailableError(
+                f"transformers {transformers.__version__} builds the {self.title} tokenizer from its GGUF file wrongly "
+                f"(releases before {self.tokenizer_from} do); convert the model once with transformers >= "
+                f"{self.tokenizer_from} in this cache ({assets.cache_dir()}): the converted copy loads on every "
+                "supported release"
+            )
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         if self.tokenizer_probe is None:
