@@ -279,7 +279,9 @@ def test_the_static_peer_compiles_on_a_fresh_cache_per_cell(toy_llama):
         assert (got.peer_cache, got.peer_compiled, got.decode_steps) == ("static", True, 4)
         assert got.peer_compile_config["mode"] == "reduce-overhead"  # transformers' default, kept
         assert toy_llama._previous_max_cache_length == 64 + 4  # prompt + new tokens, the last one never cached
-        assert got.decode_tokens_per_s == pytest.approx(2 * 1000 / got.decode_ms_per_token, rel=1e-3)
+        ms = got.decode_ms_per_token  # stored to 3 decimals: on the toy model (~0.13 ms) that rounding alone is
+        # up to 0.4 % of it (CI failed once at rel=1e-3: 15660 vs 15625 tokens/s)
+        assert got.decode_tokens_per_s == pytest.approx(2 * 1000 / ms, rel=0.0005 / ms + 1e-6)
     finally:
         for name in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
             toy_llama.__dict__.pop(name, None)
