@@ -298,8 +298,8 @@ def _rows(table: dict[str, tuple[int, float]], per: int = 1) -> list[list]:
     return rows
 
 
-def _summary(rows: list[list], cuda: bool, top: int, **extra: Any) -> dict[str, Any]:
-    return {"device": "cuda" if cuda else "cpu", **extra, "calls": round(sum(r[1] for r in rows), 3),
+def _summary(rows: list[list], cuda: bool, top: int, count: str = "calls", **extra: Any) -> dict[str, Any]:
+    return {"device": "cuda" if cuda else "cpu", **extra, count: round(sum(r[1] for r in rows), 3),
             "top": rows[:top], "attention": [r for r in rows if ATTENTION_KERNEL.search(r[0])]}
 
 
@@ -345,11 +345,11 @@ def decode_kernels(model, method: Method, budget: Budget, prompts, tokenizer, co
             _sync(model.device)
         tables.append(_kernel_table(prof, cuda))
     n = long - short
-    diff = {name: (calls - tables[0].get(name, (0, 0.0))[0], max(us - tables[0].get(name, (0, 0.0))[1], 0.0))
-            for name, (calls, us) in tables[1].items()}
-    summary = _summary(_rows(diff, n), cuda, top, steps=n)
-    summary["per_step"] = summary.pop("calls")
-    return summary
+    diff = {}
+    for name, (calls, us) in tables[1].items():
+        calls0, us0 = tables[0].get(name, (0, 0.0))
+        diff[name] = (calls - calls0, max(us - us0, 0.0))
+    return _summary(_rows(diff, n), cuda, top, count="per_step", steps=n)
 
 
 def samples_per_minute(loaded, method: Method, budget: Budget, context_length: int, batch_size: int,

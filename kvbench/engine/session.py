@@ -261,7 +261,7 @@ class CompressionSession:
                 self.__exit__()
                 raise ConfigError(f"engine.compile=true: method {self.method.name!r} compresses during decode "
                                   f"(decode_compression) and {refusal}; use engine.compile=false")
-        if not self.budget.is_full and self.method.static_policy(1 << 30) is None:
+        if not self.budget.is_full and not self.method.has_static_step():
             self.__exit__()
             raise ConfigError(
                 f"engine.compile=true: method {self.method.name!r} has no static decode step "

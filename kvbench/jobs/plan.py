@@ -319,7 +319,7 @@ def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, question:
         refusal = graph_refusal(method, method.decode_compression_spec(), budget)
         if refusal is not None:
             return f"method {method.name!r} compresses during decode (decode_compression) and {refusal}"
-    if not budget.is_full and method.static_policy(1 << 30) is None:
+    if not budget.is_full and not method.has_static_step():
         return f"method {method.name!r} has no captured decode step ({method.static_refusal()})"
     return None
 

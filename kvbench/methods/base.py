@@ -139,6 +139,10 @@ class Method:
         path)."""
         return False
 
+    def has_static_step(self) -> bool:
+        """Whether this method decodes as the captured step at any capacity (``static_policy`` is not None)."""
+        return self.static_policy(1 << 30) is not None
+
     def static_refusal(self) -> str:
         """Why ``static_policy`` is None: one line naming what the method does per step that the captured step cannot
         (``engine.decode=graph``'s refusal, ``auto``'s log line and the generated table in docs/efficiency.md). Every

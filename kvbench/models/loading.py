@@ -598,27 +598,25 @@ class EmbeddedModel:
         from packaging.version import Version
 
         if Version(transformers.__version__).release < Version(self.tokenizer_from).release:
-            raise NotAvailableError(
-                f"transformers {transformers.__version__} builds the {self.title} tokenizer from its GGUF file wrongly "
-                f"(releases before {self.tokenizer_from} do); convert the model once with transformers >= "
-                f"{self.tokenizer_from} in this cache ({assets.cache_dir()}): the converted copy loads on every "
-                "supported release"
-            )
+            raise self._wrong_tokenizer(f"releases before {self.tokenizer_from} do")
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         if self.tokenizer_probe is None:
             return
-        import transformers
-
         text, expected = self.tokenizer_probe
         got = tuple(tokenizer(text).input_ids)
         if got != expected:
-            raise NotAvailableError(
-                f"transformers {transformers.__version__} builds the {self.title} tokenizer from its GGUF file wrongly "
-                f"({text!r} -> {list(got)}, expected {list(expected)}); convert the model once with transformers >= "
-                f"{self.tokenizer_from} in this cache ({assets.cache_dir()}): the converted copy loads on every "
-                "supported release"
-            )
+            raise self._wrong_tokenizer(f"{text!r} -> {list(got)}, expected {list(expected)}")
+
+    def _wrong_tokenizer(self, why: str) -> NotAvailableError:
+        """The one-line refusal of a transformers that builds this model's tokenizer wrongly, ``why`` in brackets."""
+        import transformers
+
+        return NotAvailableError(
+            f"transformers {transformers.__version__} builds the {self.title} tokenizer from its GGUF file wrongly "
+            f"({why}); convert the model once with transformers >= {self.tokenizer_from} in this cache "
+            f"({assets.cache_dir()}): the converted copy loads on every supported release"
+        )
 
 
 EMBEDDED_MODELS = {

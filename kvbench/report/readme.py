@@ -131,12 +131,17 @@ def _value(value: Any) -> str:
     return str(value)
 
 
+def method_conf(name: str, root: Path) -> dict[str, Any]:
+    """The fields ``conf/method/<name>.yaml`` sets (its ``name`` left out): what ``method=<name>`` passes the class."""
+    conf = yaml.safe_load((root / "conf" / "method" / f"{name}.yaml").read_text(encoding="utf-8")) or {}
+    return {k: v for k, v in conf.items() if k != "name"}
+
+
 def defaults(name: str, root: Path) -> str:
     """``conf/method/<name>.yaml`` as the class resolves it (what ``method=<name>`` runs), ``field=value`` each."""
     from kvbench.methods import METHODS
 
-    conf = yaml.safe_load((root / "conf" / "method" / f"{name}.yaml").read_text(encoding="utf-8")) or {}
-    instance = METHODS.build(name, {k: v for k, v in conf.items() if k != "name"})
+    instance = METHODS.build(name, method_conf(name, root))
     fields = [f.name for f in dataclasses.fields(instance) if f.init and not f.name.startswith("_")]
     if "decode_compression" in fields and instance.decode_compression_spec() is None:
         fields.remove("decode_compression")  # off: prefill-only (docs/methods.md, "Compression during decode")
@@ -183,8 +188,8 @@ def config_keys(root: Path) -> set[str]:
 
 def captured_status(method: Any) -> str:
     """How ``method`` decodes under ``engine.decode=graph``: "captured" where it has a static step
-    (``Method.static_policy``), else "host-driven: <its static_refusal>" (what the refusal says)."""
-    if method.static_policy(1 << 30) is not None:
+    (``Method.has_static_step``), else "host-driven: <its static_refusal>" (what the refusal says)."""
+    if method.has_static_step():
         return "captured"
     return f"host-driven: {method.static_refusal()}"
 
@@ -198,8 +203,7 @@ def captured_decode_block(root: Path) -> str:
     entries, keys = data()["methods"], config_keys(root)
     lines = ["| method | default configuration | readings that decode otherwise |", "|---|---|---|"]
     for name in METHODS.entries:
-        conf = yaml.safe_load((root / "conf" / "method" / f"{name}.yaml").read_text(encoding="utf-8")) or {}
-        base = {k: v for k, v in conf.items() if k != "name"}
+        base = method_conf(name, root)
         default = captured_status(METHODS.build(name, base))
         others = []
         for clause in str((entries.get(name) or {}).get("readings", "")).split(";"):

@@ -33,12 +33,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from kvbench.store import canonical_json
+from kvbench.store import canonical_json, load_yaml
 from kvbench.store.compression import uncompressed_reason
-
-#: PyYAML's safe loader, its libyaml form where PyYAML has it (the same documents, about 9x faster: the report reads
-#: every stored run's config.yaml)
-SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 RUN_COLUMNS = ["model", "task", "variant", "protocol", "method", "method_label", "budget", "metric", "score",
                "n_samples", "limit", "hash", "path", "method_cfg", "task_cfg", "scores", "new_tokens", "question"]
@@ -142,7 +138,7 @@ def read_run(path: Path, results_dir: Path) -> dict[str, Any] | None:
     """One finished job as a dict of ``RUN_COLUMNS``; None when its files are unreadable."""
     try:
         scores = json.loads((path / "scores.json").read_text())
-        config = yaml.load((path / "config.yaml").read_text(), Loader=SAFE_LOADER) or {}
+        config = load_yaml((path / "config.yaml").read_text()) or {}
     except (OSError, ValueError, yaml.YAMLError):
         return None
     key = config.get("key") or {}

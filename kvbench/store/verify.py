@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from kvbench.store import config_hash, ids_digest, open_lock_for_probe
+from kvbench.store import config_hash, ids_digest, load_yaml, open_lock_for_probe
 from kvbench.store.compression import uncompressed_reason
 
 STATES = ("finished", "running", "incomplete", "failed", "uncompressed", "inconsistent", "orphaned")
@@ -113,7 +113,7 @@ def inspect(path: Path) -> JobReport:
         report.problems.append("config.yaml is missing")
     else:
         try:
-            stored_config = yaml.load(config.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+            stored_config = load_yaml(config.read_text())
             key = stored_config["key"]
             if config_hash(key)[:12] != path.name:
                 report.problems.append(f"config key hashes to {config_hash(key)[:12]}, not {path.name}")
