@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -88,6 +89,7 @@ def save(fig, out: Path, name: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
     fig.savefig(paths[0], dpi=120, metadata={"Software": None})
+    fig.set_layout_engine("none")  # the PDF keeps the layout the PNG computed (constrained layout is costly)
     fig.savefig(paths[1], metadata={"Creator": None, "Producer": None, "CreationDate": None})
     plt.close(fig)
     return paths
@@ -102,6 +104,10 @@ def _grid(scores: dict) -> tuple[list[str], list[str], list[list[float]]]:
 
 
 def needle_heatmaps(runs: pd.DataFrame, out: Path) -> list[Path]:
+    """One figure per (model, task, protocol): a heatmap per run (method @ budget). Where every run of the figure
+    has the same grid, only the outer panels carry tick labels (a figure of 50 runs drew 50 sets of tick labels, most
+    of its drawing time; the axes are not shared, which costs more than it saves); a long method label wraps to its
+    panel's width."""
     plt = _plt()
     from matplotlib.colors import LinearSegmentedColormap
 
@@ -113,19 +119,27 @@ def needle_heatmaps(runs: pd.DataFrame, out: Path) -> list[Path]:
         vmax = 10.0 if str(group["metric"].iloc[0]).endswith("x10") else 100.0
         cols = min(4, len(group))
         rows = math.ceil(len(group) / cols)
+        grids = [_grid(run["scores"]) for run in group.to_dict("records")]
+        shared = len({(tuple(lengths), tuple(depths)) for lengths, depths, _ in grids}) == 1
         fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols + 1.2, 2.5 * rows + 0.6), squeeze=False,
                                  layout="constrained")
         image = None
-        for index, (ax, run) in enumerate(zip(axes.flat, group.to_dict("records"))):
-            lengths, depths, values = _grid(run["scores"])
+        for index, (ax, run, (lengths, depths, values)) in enumerate(zip(axes.flat, group.to_dict("records"),
+                                                                           grids)):
             image = ax.imshow(values, cmap=cmap, vmin=0, vmax=vmax, aspect="auto", interpolation="nearest")
             ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
             ax.set_yticks(range(len(depths)), [f"{float(d):g}" for d in depths], fontsize=7)
-            ax.set_title(f"{run['method_label']} @ {run['budget']}: {run['score']:.2f}", fontsize=8)
+            title = f"{run['method_label']} @ {run['budget']}: {run['score']:.2f}"
+            ax.set_title(textwrap.fill(title, 36, break_long_words=True, break_on_hyphens=False), fontsize=8)
             if index % cols == 0:
                 ax.set_ylabel("depth (%)")
             if index + cols >= len(group):
                 ax.set_xlabel("context length (tokens)")
+                ax.tick_params(labelbottom=True)  # the last panel of a column above an empty slot
+            elif shared:
+                ax.tick_params(labelbottom=False)
+            if shared and index % cols:
+                ax.tick_params(labelleft=False)
         for ax in list(axes.flat)[len(group):]:
             ax.axis("off")
         fig.colorbar(image, ax=axes, label=str(group["metric"].iloc[0]), shrink=0.6)
