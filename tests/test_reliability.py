@@ -16,7 +16,7 @@ import pytest
 from kvbench.faults import POINTS
 
 JOB = ["model=tiny-random", "task=passkey", "task.context_lengths=[256,384]", "task.depths=[10,50,90]",
-       "method=snapkv", "budget=64", "task.max_new_tokens=12"]  # 6 samples
+       "method=snapkv", "budget=64", "task.max_new_tokens=12", "seed=7"]  # 6 samples
 TIMINGS = {"prefill_seconds", "decode_seconds"}
 
 
@@ -54,33 +54,44 @@ def _verify(results: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory) -> tuple[dict, dict]:
+def clean_job(tmp_path_factory) -> Path:
+    """JOB run once, uninterrupted: its job directory."""
     results = tmp_path_factory.mktemp("clean")
     assert _run(results).returncode == 0
-    return _outcome(_job_dir(results))
+    return _job_dir(results)
 
 
-@pytest.mark.parametrize("point, nth", [("model_load", 1), ("mid_sample", 3), ("record_write", 3),
-                                        ("scores_write", 1)])
-def test_kill_at_a_named_point_then_resume_equals_a_clean_run(tmp_path, clean, point, nth):
-    assert point in POINTS
-    killed = _run(tmp_path, KVBENCH_FAULT=f"{point}:{nth}")
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    job = _job_dir(tmp_path)
-    samples = job / "samples.jsonl"
-    on_disk = samples.read_bytes() if samples.exists() else b""
-    if point == "model_load":  # only the lock file: verify calls the directory orphaned
-        assert on_disk == b"" and not (job / "config.yaml").exists()
-    elif point == "mid_sample":  # the third sample was prefilled: two complete records
-        assert len(on_disk.splitlines()) == 2 and on_disk.endswith(b"\n")
-    elif point == "record_write":  # two records and half of the third
-        assert on_disk.count(b"\n") == 2 and not on_disk.endswith(b"\n")
-    else:  # every record, a fsynced temp file, no scores.json
-        assert on_disk.count(b"\n") == 6 and not (job / "scores.json").exists()
-        assert list(job.glob(".scores.json.*"))
-    if point != "scores_write":
-        assert not (job / "scores.json").exists()
-    assert _verify(tmp_path).returncode in (0, 1)  # reports, never crashes on a killed job
+@pytest.fixture(scope="module")
+def clean(clean_job) -> tuple[dict, dict]:
+    return _outcome(clean_job)
+
+
+#: one job killed at every named point in turn, each kill in the run that resumes the previous one (the counts are
+#: per process): (point, n-th visit in that run, the complete records on disk after the kill, a torn last line)
+CHAIN = [("model_load", 1, 0, False),    # only the lock file: verify calls the directory orphaned
+         ("mid_sample", 3, 2, False),    # the third sample was prefilled: two complete records
+         ("record_write", 2, 3, True),   # records 3 and 4 written by this run, the 4th half on disk
+         ("scores_write", 1, 6, False)]  # every record, a fsynced temp file, no scores.json
+
+
+def test_kill_at_each_named_point_then_resume_equals_a_clean_run(tmp_path, clean):
+    """SIGKILL at model load, mid-sample, mid-record and mid-scores, each in the run resuming the last kill (so every
+    point's leftovers are resumed, a torn line included), then a run to the end: the clean run's records and scores,
+    nothing duplicated or torn, no temp file, store verify clean."""
+    job = None
+    for point, nth, complete, torn in CHAIN:
+        assert point in POINTS
+        killed = _run(tmp_path, KVBENCH_FAULT=f"{point}:{nth}")
+        assert killed.returncode == -9, (point, killed.stderr[-2000:])
+        job = job or _job_dir(tmp_path)
+        samples = job / "samples.jsonl"
+        on_disk = samples.read_bytes() if samples.exists() else b""
+        tail_torn = bool(on_disk) and not on_disk.endswith(b"\n")
+        assert on_disk.count(b"\n") == complete and tail_torn == torn, (point, on_disk[-300:])
+        assert (job / "config.yaml").exists() == (point != "model_load"), point
+        assert not (job / "scores.json").exists(), point
+        assert bool(list(job.glob(".scores.json.*"))) == (point == "scores_write"), point
+        assert _verify(tmp_path).returncode in (0, 1)  # reports, never crashes on a killed job
 
     resumed = _run(tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -148,15 +159,15 @@ def test_two_sweeps_sharing_a_store_finish_without_corruption(tmp_path):
     assert check.returncode == 0 and "6 finished" in check.stdout, check.stdout
 
 
-def test_same_job_twice_is_deterministic_and_the_seed_is_recorded(tmp_path, clean):
-    for name in ("a", "b"):
-        assert _run(tmp_path / name, [*JOB, "seed=7"]).returncode == 0
-    a, b = (_job_dir(tmp_path / n) for n in ("a", "b"))
-    assert _outcome(a) == _outcome(b)
-    assert a.name == b.name  # same key
-    config = (a / "config.yaml").read_text()
+def test_same_job_twice_is_deterministic_and_the_seed_is_recorded(tmp_path, clean, clean_job):
+    """A second run of the clean run's job (seed 7) in a store of its own: the same key, records and scores."""
+    assert _run(tmp_path).returncode == 0
+    job = _job_dir(tmp_path)
+    assert _outcome(job) == clean
+    assert job.name == clean_job.name  # same key
+    config = (job / "config.yaml").read_text()
     assert "seed: 7" in config.split("resolved:")[0] and "seed: 7" in config.split("resolved:")[1]
-    meta = json.loads((a / "meta.json").read_text())
+    meta = json.loads((job / "meta.json").read_text())
     assert meta["seed"] == 7 or meta.get("config", {}).get("seed") == 7, sorted(meta)
 
 
