@@ -56,6 +56,11 @@ def _run(model, name, budget, compile, prompts, new, interval, sampling=None, qu
     return out, session
 
 
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a captured generation adds at most one)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def _prompt(n, seed=1, high=250):
     return torch.randint(3, high, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -65,7 +70,9 @@ def _prompt(n, seed=1, high=250):
 def test_toy_graph_equals_eager(toy_llama, name, rows):
     prompts = [_prompt(90), _prompt(70, 2)][:rows]
     eager, eager_session = _run(toy_llama, name, 48, False, prompts, 70, 8, query_buffer=6)
+    graphs = _graphs()
     captured, session = _run(toy_llama, name, 48, "eager", prompts, 70, 8, query_buffer=6)
+    assert _graphs() - graphs <= 1  # one graph for the generation, AdaKV's moving longest head included
     # the static layers and the host's compressions between blocks, compiled where dynamo traces the forward whole
     # (torch 2.6 with transformers 5.6, CI's lowest leg, runs the same step uncompiled: the same tokens)
     assert session._captured_compression is not None
@@ -177,7 +184,9 @@ def test_smollm2_graph_equals_eager(smol, name, rows, sampled):
     sampling = Sampling(0.6, 0.95, 0) if sampled else None
     prompts = _smol_prompts(smol, rows)
     eager, eager_session = _run(smol.model, name, 64, False, prompts, 40, 16, sampling)
+    graphs = _graphs()
     captured, session = _run(smol.model, name, 64, "eager", prompts, 40, 16, sampling)
+    assert _graphs() - graphs <= 1  # AdaKV compiled 3 (its longest head's slots moved at each compression)
     assert captured.tokens == eager.tokens
     assert session.stats.resident_curve == eager_session.stats.resident_curve
     assert _kept(session) == _kept(eager_session)

@@ -60,6 +60,9 @@ from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_ran
 _ROTATABLE_ROPE = ("default", "linear", "llama3")
 #: engine.compile: slot counts that follow the prompt's length are rounded up to a multiple of this (graphs per bucket)
 SLOT_ROUND = 256
+#: slots of a layer whose heads hold entries of their own counts (AdaKV) and that compresses during decode, rounded
+#: up to a multiple of this (where it starts and as it grows): its longest head moves with every compression
+GROW_ROUND = 64
 
 
 @dataclass
@@ -317,6 +320,8 @@ class CompressionSession:
             if compresses:  # appends up to a compression: at most the target (or the prompt's) plus one interval
                 target = compression.spec.target(1 << 40, self.budget)  # the most: not a ratio (graph_refusal)
                 extra = max(1, min(self._reserve, max(held, target) + compression.interval(target) - held))
+                if layer.valid is not None:  # heads of their own lengths: the longest moves at every compression,
+                    extra += -(held + extra) % GROW_ROUND  # so its slots start rounded as they grow (fewer graphs)
             if varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
                 extra += -(held + extra) % SLOT_ROUND
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
@@ -402,10 +407,11 @@ class CompressionSession:
 
     def _grow_captured(self, idx: int, static: StaticKVLayer, need: int) -> None:
         """Layer ``idx`` needs ``need`` slots up to the next compression, more than it has: new slots (rounded up to
-        64, so a slowly growing layout compiles a few more graphs, not one per compression), one log line."""
+        ``GROW_ROUND``, so a slowly growing layout compiles a few more graphs, not one per compression), one log
+        line."""
         import logging
 
-        slots = -(-need // 64) * 64
+        slots = -(-need // GROW_ROUND) * GROW_ROUND
         logging.getLogger("kvbench").info("engine.compile: method %r kept %d+ entries in layer %d during decode, more "
                                           "than its %d slots; %d slots from here (the captured step compiles again)",
                                           self.method.name, need, idx, static.keys.shape[2], slots)
