@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import resource
 
 import pytest
 import torch
@@ -295,16 +294,26 @@ def test_smollm2_resident_bytes_and_nonuniform_allocation(smol):
 
 
 @pytest.mark.slow
-def test_smollm2_8k_prompt_memory_stays_bounded(smol):
-    prompt = torch.randint(3, 40000, (8000,), generator=torch.Generator().manual_seed(0)).tolist()
+def test_smollm2_4k_prompt_peak_memory_stays_bounded(smol):
+    """D2O's prefill scores a layer without holding its whole ``(H, n, n)`` attention probabilities: at a 4,000-token
+    prompt the block's peak above its start (``VmHWM`` reset first: ``kvbench.bench.measure.PeakMemory``, exact in a
+    worker that peaked higher before) stays under 1 GiB; measured 0.76 GiB, where one layer's probabilities alone are
+    0.54 GiB more. At 8,000 tokens it measured 1.19 GiB (one layer's probabilities: 2.15 GiB) in two minutes on one
+    core; this test was that prompt under a 1.5 GiB bound on the process's lifetime peak, which a worker that had
+    peaked higher earlier could not see."""
+    from kvbench.bench.measure import PeakMemory
+
+    cpu = torch.device("cpu")
+    if not PeakMemory.supported(cpu):
+        pytest.skip("no /proc/self/clear_refs on this OS")
+    prompt = torch.randint(3, 40000, (4000,), generator=torch.Generator().manual_seed(0)).tolist()
     b, method = Budget.parse(0.2), D2O()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    with CompressionSession(smol.model, method, b) as session, torch.inference_mode():
-        greedy_generate(smol.model, [prompt], 2, smol.eos_token_ids, smol.tokenizer.pad_token_id)
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
-    assert grown < 1.5, f"peak RSS grew by {grown:.2f} GiB"
-    assert sum(method.last_allocation[0]) == 30 * 1600
-    assert session.stats.resident_kv_bytes_after_prefill == 30 * 3 * 1600 * 64 * 2 * 4
+    with PeakMemory(cpu) as peak:
+        with CompressionSession(smol.model, method, b) as session, torch.inference_mode():
+            greedy_generate(smol.model, [prompt], 2, smol.eos_token_ids, smol.tokenizer.pad_token_id)
+    assert peak.bytes < 2**30, f"peak {peak.bytes / 2**30:.2f} GiB above the start"
+    assert sum(method.last_allocation[0]) == 30 * 800
+    assert session.stats.resident_kv_bytes_after_prefill == 30 * 3 * 800 * 64 * 2 * 4
 
 
 def test_merge_score_add_changes_which_tokens_are_evicted():

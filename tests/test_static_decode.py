@@ -71,13 +71,22 @@ def test_static_decode_equals_the_default_path(toy_llama, method):
     assert static.resident_kv_bytes_final >= eager.resident_kv_bytes_final
 
 
-@pytest.fixture
-def capturable(toy_llama):
-    """Skip where this torch / transformers pair cannot trace the model's forward whole (torch 2.6 with transformers
-    5.6, CI's lowest leg): the captured decode then runs the same step uncompiled (``test_an_untraceable_forward_...``
-    checks that path everywhere)."""
+@pytest.fixture(scope="session")
+def capture_probe(toy_llama) -> dict:
+    """``graph.STATUS`` after one captured FullKV generation: whether this torch / transformers pair traces the
+    model's forward whole (probed once per process: the pair does not change)."""
     graph.STATUS.clear()
     _generate(toy_llama, "fullkv", None, "eager", [_prompt(40)], new=3)
+    return dict(graph.STATUS)
+
+
+@pytest.fixture
+def capturable(capture_probe):
+    """Skip where this torch / transformers pair cannot trace the model's forward whole (torch 2.6 with transformers
+    5.6, CI's lowest leg): the captured decode then runs the same step uncompiled (``test_an_untraceable_forward_...``
+    checks that path everywhere). ``graph.STATUS`` starts as the probe left it."""
+    graph.STATUS.clear()
+    graph.STATUS.update(capture_probe)
     if not graph.STATUS.get("captured"):
         pytest.skip(f"dynamo cannot trace this model's forward whole here: {graph.STATUS.get('refused')}")
 
