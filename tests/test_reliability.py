@@ -198,16 +198,3 @@ def test_a_bad_fault_spec_is_refused():
     finally:
         del os.environ["KVBENCH_FAULT"]
     assert faults.armed("model_load") is False
-
-
-def test_the_kill_resume_loop_script(tmp_path):
-    """scripts/kill_resume_loop.py end to end with 1 kill on a small job (the committed 20-kill run:
-    results/reliability/kill_resume_loop.json; the named kill points are the test above)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "kill_resume_loop.py"
-    out = tmp_path / "loop.json"
-    proc = subprocess.run([sys.executable, str(script), "--kills", "1", "--out", str(out), "--", *JOB],
-                          capture_output=True, text=True, timeout=300, env=_env(tmp_path))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary = json.loads(out.read_text())
-    assert summary["identical"] and len(summary["rounds"]) == 1 and all(summary["checks"].values())
-    assert "IDENTICAL to a clean run" in proc.stdout.splitlines()[-1]

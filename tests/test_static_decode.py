@@ -152,6 +152,18 @@ def test_the_whole_step_is_captured_once_and_never_recompiled(toy_llama, method,
     assert seen3[-1] == 2, seen3
 
 
+def test_heads_of_their_own_lengths_replay_one_graph_across_samples(toy_llama, capturable):
+    """AdaKV's longest head differs per layer and per prompt: its static layers get one slot count (the most any
+    layer needs, rounded up, never below what the job's earlier samples had), so four prompts beyond the budget
+    compile one graph, not one per sample (4 before; 3 with the rounding alone)."""
+    torch._dynamo.reset()
+    counters.clear()
+    for seed in range(4):
+        out, session = _generate(toy_llama, "adakv", 48, "eager", [_prompt(120 + 7 * seed, seed)], new=12)
+        assert out.decode_steps == 11 and {layer.keys.shape[2] for layer in session._layers.values()} == {128}
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_the_host_driven_path_is_not_captured(toy_llama, monkeypatch):
     """The counts above are the capture's: the default path compiles nothing."""
     monkeypatch.setattr(graph, "READ_EVERY", 1)

@@ -307,7 +307,7 @@ def test_data_dir_needs_the_splits_the_run_reads(tmp_path):
 @pytest.mark.slow
 def test_smollm2_gsm8k_on_the_fixtures(tmp_path):
     scores, records = run_job_in(tmp_path, ["task=gsm8k", f"task.data_dir={GSM8K}", "method=snapkv", "budget=128",
-                                      "limit=2"])
-    assert len(records) == 2 and scores["score"] in (0.0, 0.5, 1.0)
+                                      "limit=1"])
+    assert len(records) == 1 and scores["score"] in (0.0, 1.0)
     assert all(r["prompt_tokens"] > 128 and r["resident_kv_bytes"] == 128 * 30 * 3 * 64 * 2 * 4 for r in records)
     assert all("Question:" not in r["raw_prediction"] for r in records)  # cut at lm-eval's stop string

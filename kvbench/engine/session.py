@@ -60,8 +60,8 @@ from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_ran
 _ROTATABLE_ROPE = ("default", "linear", "llama3")
 #: engine.compile: slot counts that follow the prompt's length are rounded up to a multiple of this (graphs per bucket)
 SLOT_ROUND = 256
-#: slots of a layer whose heads hold entries of their own counts (AdaKV) and that compresses during decode, rounded
-#: up to a multiple of this (where it starts and as it grows): its longest head moves with every compression
+#: slots of a layer whose heads hold entries of their own counts (AdaKV, KVzip), rounded up to a multiple of this
+#: (where they start and as they grow): the longest head differs per prompt and moves with every decode compression
 GROW_ROUND = 64
 
 
@@ -302,6 +302,7 @@ class CompressionSession:
         compression = None
         if self._decode_compressor is not None:
             compression = self._captured_compression = CapturedCompression(self._decode_compressor.spec)
+        plans = []  # per layer: (idx, policy, capacities, entries held, extra slots, compressed during decode)
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
@@ -320,10 +321,24 @@ class CompressionSession:
             if compresses:  # appends up to a compression: at most the target (or the prompt's) plus one interval
                 target = compression.spec.target(1 << 40, self.budget)  # the most: not a ratio (graph_refusal)
                 extra = max(1, min(self._reserve, max(held, target) + compression.interval(target) - held))
-                if layer.valid is not None:  # heads of their own lengths: the longest moves at every compression,
-                    extra += -(held + extra) % GROW_ROUND  # so its slots start rounded as they grow (fewer graphs)
             if varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
                 extra += -(held + extra) % SLOT_ROUND
+            plans.append([idx, policy, caps, held, extra, compresses])
+        # heads of their own lengths (AdaKV): the longest one differs per layer and per prompt and moves at every
+        # decode compression, so every such layer gets one slot count: the most any of them needs, rounded up to
+        # GROW_ROUND, and never fewer than such layers have had for this method, budget and bucket (a job's samples
+        # replay one graph; a new one only past the mark)
+        self._slot_mark = ("heads", self.method.name, self.budget, rows)
+        differ = [plan for plan in plans if (self._layers[plan[0]].ragged is not None or
+                                             self._layers[plan[0]].valid is not None) and
+                  (plan[5] or plan[1].evict is None)]
+        if differ:
+            need = max(held + extra for _, _, _, held, extra, _ in differ)
+            slots = pool.marks[self._slot_mark] = max(need + -need % GROW_ROUND, pool.marks.get(self._slot_mark, 0))
+            for plan in differ:
+                plan[4] = slots - plan[3]
+        for idx, policy, caps, held, extra, compresses in plans:
+            layer = self._layers[idx]
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
             if compresses:
@@ -415,7 +430,9 @@ class CompressionSession:
         logging.getLogger("kvbench").info("engine.compile: method %r kept %d+ entries in layer %d during decode, more "
                                           "than its %d slots; %d slots from here (the captured step compiles again)",
                                           self.method.name, need, idx, static.keys.shape[2], slots)
-        static.grow(slots, slot_pool(self.model).taker((idx,), static.keys.device))
+        pool = slot_pool(self.model)
+        static.grow(slots, pool.taker((idx,), static.keys.device))
+        pool.marks[self._slot_mark] = max(pool.marks.get(self._slot_mark, 0), slots)  # the next generation's start
         if self._graph_live:
             from kvbench.engine.graph import mark_static
 

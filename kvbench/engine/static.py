@@ -114,6 +114,9 @@ class SlotPool:
 
     def __init__(self) -> None:
         self._held: dict[tuple, torch.Tensor] = {}
+        #: the most slots a (method, budget, batch bucket)'s layers with heads of their own lengths have had: every
+        #: such layer of the next generation gets at least as many (``CompressionSession._to_static``)
+        self.marks: dict[tuple, int] = {}
 
     def take(self, key: tuple, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         held = self._held.get(key)
@@ -127,6 +130,7 @@ class SlotPool:
 
     def clear(self) -> None:
         self._held.clear()
+        self.marks.clear()
 
 
 _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
