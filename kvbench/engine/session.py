@@ -60,8 +60,8 @@ from kvbench.methods.base import DecodeContext, Method, PrefillContext, real_ran
 _ROTATABLE_ROPE = ("default", "linear", "llama3")
 #: engine.compile: slot counts that follow the prompt's length are rounded up to a multiple of this (graphs per bucket)
 SLOT_ROUND = 256
-#: slots of a layer whose heads hold entries of their own counts (AdaKV, KVzip), rounded up to a multiple of this
-#: (where they start and as they grow): the longest head differs per prompt and moves with every decode compression
+#: slots of a layer whose heads hold entries of their own counts (AdaKV), rounded up to a multiple of this (where
+#: they start and as they grow): the longest head differs per prompt and moves with every decode compression
 GROW_ROUND = 64
 
 
@@ -302,7 +302,7 @@ class CompressionSession:
         compression = None
         if self._decode_compressor is not None:
             compression = self._captured_compression = CapturedCompression(self._decode_compressor.spec)
-        plans = []  # per layer: (idx, policy, capacities, entries held, extra slots, compressed during decode)
+        plans = []  # per layer: idx, policy, capacities, held, extra slots, compresses in decode, heads differ
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
@@ -323,21 +323,21 @@ class CompressionSession:
                 extra = max(1, min(self._reserve, max(held, target) + compression.interval(target) - held))
             if varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
                 extra += -(held + extra) % SLOT_ROUND
-            plans.append([idx, policy, caps, held, extra, compresses])
+            differs = (layer.ragged is not None or layer.valid is not None) and (compresses or policy.evict is None)
+            plans.append([idx, policy, caps, held, extra, compresses, differs])
         # heads of their own lengths (AdaKV): the longest one differs per layer and per prompt and moves at every
         # decode compression, so every such layer gets one slot count: the most any of them needs, rounded up to
         # GROW_ROUND, and never fewer than such layers have had for this method, budget and bucket (a job's samples
         # replay one graph; a new one only past the mark)
         self._slot_mark = ("heads", self.method.name, self.budget, rows)
-        differ = [plan for plan in plans if (self._layers[plan[0]].ragged is not None or
-                                             self._layers[plan[0]].valid is not None) and
-                  (plan[5] or plan[1].evict is None)]
-        if differ:
-            need = max(held + extra for _, _, _, held, extra, _ in differ)
+        needs = [held + extra for _, _, _, held, extra, _, differs in plans if differs]
+        if needs:
+            need = max(needs)
             slots = pool.marks[self._slot_mark] = max(need + -need % GROW_ROUND, pool.marks.get(self._slot_mark, 0))
-            for plan in differ:
-                plan[4] = slots - plan[3]
-        for idx, policy, caps, held, extra, compresses in plans:
+            for plan in plans:
+                if plan[6]:
+                    plan[4] = slots - plan[3]
+        for idx, policy, caps, held, extra, compresses, _ in plans:
             layer = self._layers[idx]
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
@@ -426,7 +426,7 @@ class CompressionSession:
         line."""
         import logging
 
-        slots = -(-need // GROW_ROUND) * GROW_ROUND
+        slots = need + -need % GROW_ROUND
         logging.getLogger("kvbench").info("engine.compile: method %r kept %d+ entries in layer %d during decode, more "
                                           "than its %d slots; %d slots from here (the captured step compiles again)",
                                           self.method.name, need, idx, static.keys.shape[2], slots)

@@ -135,8 +135,7 @@ def needle_heatmaps(runs: pd.DataFrame, out: Path) -> list[Path]:
                 ax.set_ylabel("depth (%)")
             if index + cols >= len(group):
                 ax.set_xlabel("context length (tokens)")
-                ax.tick_params(labelbottom=True)  # the last panel of a column above an empty slot
-            elif shared:
+            elif shared:  # a panel with another below it
                 ax.tick_params(labelbottom=False)
             if shared and index % cols:
                 ax.tick_params(labelleft=False)
