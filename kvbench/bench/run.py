@@ -294,9 +294,13 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     verdicts = judge(rows, OmegaConf.to_container(bench.targets) if "targets" in bench else [], loaded)
     import transformers
 
-    (out_dir / "targets.json").write_text(json.dumps({"context": {**context, "python": platform.python_version(),
-                                                                  "torch": torch.__version__,
-                                                                  "transformers": transformers.__version__},
+    from kvbench.config import git_sha
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__, "git_sha": git_sha()}
+    if device.startswith("cuda"):  # which card (an H100 and an H200 differ by their bandwidth: the floor)
+        versions["device_name"] = torch.cuda.get_device_name(0)
+    (out_dir / "targets.json").write_text(json.dumps({"context": {**context, **versions},
                                                       "floor": floor.measured(),
                                                       "targets": verdicts}, indent=1) + "\n")
     table = targets_markdown(verdicts)

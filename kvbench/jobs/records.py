@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.config import git_sha
 from kvbench.jobs.plan import Job
 from kvbench.store.scores import record_scores
 
@@ -34,23 +35,6 @@ def job_scores(job: Job, records: list[dict], samples: list, cfg: DictConfig) ->
     }
 
 
-def _git_sha() -> str | None:
-    import subprocess
-
-    from kvbench.config import project_root
-
-    try:
-        sha = subprocess.run(["git", "-C", project_root(), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
-        dirty = subprocess.run(["git", "-C", project_root(), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if sha.returncode != 0:
-        return None
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
 def job_meta(job: Job, job_hash: str, loaded: Any, cfg: DictConfig, started: float) -> dict[str, Any]:
     import platform
 
@@ -65,7 +49,7 @@ def job_meta(job: Job, job_hash: str, loaded: Any, cfg: DictConfig, started: flo
         hardware["cuda_device"] = torch.cuda.get_device_name(0)
     return {
         "job_hash": job_hash,
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "versions": {"kvbench": kvbench.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "hardware": hardware,

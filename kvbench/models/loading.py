@@ -491,10 +491,21 @@ def embedded_tokenizer_dir() -> Path:
     model_dir = assets.cache_dir() / "models" / EMBEDDED_MODEL_NAME
     if _has_files(model_dir, _MODEL_FILES):
         return model_dir
-    target = assets.cache_dir() / "models" / f"{EMBEDDED_MODEL_NAME}-tokenizer"
+    target = tokenizer_only_dir(assets.cache_dir())
     if _has_files(target, _TOKENIZER_FILES):
         return target
     return publish_dir(target, _convert_embedded_tokenizer, _TOKENIZER_FILES)
+
+
+def tokenizer_only_dir(cache: Path) -> Path:
+    """Where the kvbench cache ``cache`` holds the tokenizer-only copy of SmolLM2 (what ``embedded_tokenizer_dir``
+    reads when the model is not converted there: an offline bundle ships this copy instead of the 98 MB GGUF)."""
+    return cache / "models" / f"{EMBEDDED_MODEL_NAME}-tokenizer"
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """A file ``save_pretrained`` of a tokenizer writes (what a tokenizer-only copy holds; no weights, no config)."""
+    return name.startswith(("tokenizer", "special_tokens_map", "added_tokens", "chat_template"))
 
 
 def publish_dir(target: Path, build: Callable[[Path], None], required: Iterable[str]) -> Path:
