@@ -47,15 +47,19 @@
 # Again 2026-11-28 at 2044749 with the GPU image's own versions, torch 2.11.0 (+cu130, run on the CPU) and transformers
 # 5.17.0, the same way: 110 s wall (install 3 s; check 40 s: 31/31 methods pass; bench=smoke 55 s; the prefill step
 # 9 s), every step passed.
-# Again 2026-11-28 at <this commit>, as a lent GPU receives it: a session bundle (7.1 MiB) in a copy of the checkout's
+# Again 2026-11-28 at 72cfadb, as a lent GPU receives it: a session bundle (7.1 MiB) in a copy of the checkout's
 # tracked and untracked files without .git (44 MB in all), a venv holding the 2026-11 image's packages (torch
 # 2.13.0+cpu, transformers 5.17.0, numpy, pandas, scipy, psutil, pyyaml, safetensors, accelerate, pyarrow, tqdm,
 # matplotlib; no gguf, hydra-core, omegaconf, antlr4), offline:
 #   (git ls-files -co --exclude-standard; find .kvbundle -type f) | tar cf - -T - | tar xf - -C /tmp/devtree
-#   cd /tmp/devtree && env -i HOME=/tmp/home PATH=/tmp/image/bin:/usr/bin:/bin PIP_NO_INDEX=1 \
-#       KVBENCH_GIT_SHA=<commit> KVBENCH_SESSION_OUT=/tmp/s bash scripts/gpu_session.sh .kvbundle --device cpu --tar /tmp/out/session.tgz
-# -> 80 s wall (install 1 s: hydra-core, omegaconf, antlr4; check 19 s; bench=smoke 49 s; prefill 8 s), every step
-# passed, one 146 kB session.tgz; the processes imported no gguf (the tokenizer is the bundle's converted copy).
+#   cd /tmp/devtree && env -i HOME=/tmp/home PATH=/tmp/image/bin:/usr/bin:/bin PIP_NO_INDEX=1 KVBENCH_GIT_SHA=<commit> \
+#       KVBENCH_SESSION_OUT=/tmp/s bash scripts/gpu_session.sh .kvbundle --device cpu --tar /tmp/out/session.tgz
+# -> 76 s wall (install 1 s: hydra-core, omegaconf, antlr4; check 13 s; bench=smoke 51 s; prefill 9 s), every step
+# passed, one 147 kB session.tgz, the commit in environment.txt and targets.json; no process imported gguf.
+# On this project's lent GPU (the device tool's `run`, from the checkout's root; .kvbundle is ignored, so it is named
+# in carry; $OUT/session.tgz comes back):
+#   carry [".kvbundle"], timeout_s 600, command:
+#   KVBENCH_GIT_SHA=<commit> KVBENCH_SESSION_OUT=/tmp/kvs bash scripts/gpu_session.sh .kvbundle --tar $OUT/session.tgz
 set -uo pipefail
 
 usage() { echo "usage: $0 BUNDLE_DIR [--device cuda|cpu] [--tar FILE.tgz]" >&2; exit 2; }
