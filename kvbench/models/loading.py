@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import assets, faults
+from kvbench.assets.cache import building
 from kvbench.errors import ConfigError, DataError, NotAvailableError, invalid_choice
 from kvbench.models.spec import ATTN_IMPLEMENTATIONS, DEVICES, DTYPES, SOURCES, LoadedModel, ModelSpec
 from kvbench.models.tiny import build_tiny_llama, resolve_tiny
@@ -511,21 +512,25 @@ def is_tokenizer_file(name: str) -> bool:
 def publish_dir(target: Path, build: Callable[[Path], None], required: Iterable[str]) -> Path:
     """Build into a temp dir beside ``target`` and rename it into place, so readers never see a partial copy.
 
-    If another process published ``target`` meanwhile, its copy wins and ours is discarded.
+    One process builds at a time (``kvbench.assets.cache.building``): one that waited finds ``target`` published and
+    builds nothing. Where there is no lock and another process published ``target`` meanwhile, its copy wins.
     """
     required = tuple(required)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    try:
-        build(staging)
-        _make_readable(staging)
+    with building(target):  # processes that start together convert once; the others wait, then read the copy
+        if _has_files(target, required):
+            return target
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
         try:
-            os.replace(staging, target)
-        except OSError:
-            if not _has_files(target, required):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            build(staging)
+            _make_readable(staging)
+            try:
+                os.replace(staging, target)
+            except OSError:
+                if not _has_files(target, required):
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
