@@ -60,6 +60,9 @@
 # in carry; $OUT/session.tgz comes back):
 #   carry [".kvbundle"], timeout_s 600, command:
 #   KVBENCH_GIT_SHA=<commit> KVBENCH_SESSION_OUT=/tmp/kvs bash scripts/gpu_session.sh .kvbundle --tar $OUT/session.tgz
+# then, here: tar xzf <files_at>/session.tgz -C /tmp/kvs && cp -r /tmp/kvs/results/bench/llama3-8b-random/gpu_targets \
+#   /tmp/kvs/results/bench/llama3-8b-random/gpu_prefill results/bench/llama3-8b-random/ && cp /tmp/kvs/gpu_check.json \
+#   results/bench/gpu_check/smollm2-135m-random.json   (cells.jsonl, targets.md/json and the figures of each bench)
 set -uo pipefail
 
 usage() { echo "usage: $0 BUNDLE_DIR [--device cuda|cpu] [--tar FILE.tgz]" >&2; exit 2; }
