@@ -56,6 +56,9 @@
 #       KVBENCH_SESSION_OUT=/tmp/s bash scripts/gpu_session.sh .kvbundle --device cpu --tar /tmp/out/session.tgz
 # -> 76 s wall (install 1 s: hydra-core, omegaconf, antlr4; check 13 s; bench=smoke 51 s; prefill 9 s), every step
 # passed, one 147 kB session.tgz, the commit in environment.txt and targets.json; no process imported gguf.
+# And in a venv of torch 2.13.0+cpu, transformers 5.17.0, numpy, pandas and scipy alone (with what pip brings for them;
+# no psutil, accelerate, matplotlib): 85 s, every step passed; the install took hydra-core, omegaconf and antlr4 and
+# said that accelerate was left out for lack of psutil; no figures (no matplotlib).
 # On this project's lent GPU (the device tool's `run`, from the checkout's root; .kvbundle is ignored, so it is named
 # in carry; $OUT/session.tgz comes back):
 #   carry [".kvbundle"], timeout_s 600, command:
