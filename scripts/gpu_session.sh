@@ -30,7 +30,9 @@
 # the decode bench what is left but 120 s (at least 60 s), the prefill bench the rest (at least 60 s); --device cpu:
 # 15 minutes, the check 480 s. A step that times out is recorded as such; later steps still run. KVBENCH_BENCH_ARGS
 # adds decode-bench overrides (only_grids=[0]: gpu_targets' batch-1 grid alone, without batch 16); a bench cut by its
-# timeout resumes from its stored cells when run again.
+# timeout resumes from its stored cells when run again. KVBENCH_SESSION_STEPS picks and orders the steps after the
+# install (default check,bench,prefill; e.g. bench,prefill where a check is already committed): each gets what is left
+# but 120 s for each step after it.
 # Exit status: 0 when every step passed, 2 when the install refused, 1 otherwise. summary.txt lists each step.
 #
 # Rehearsed on a CPU, 2026-11-27 (2 shared cores, python 3.11), offline, in a fresh venv holding what the GPU image
@@ -63,6 +65,9 @@
 # in carry; $OUT/session.tgz comes back):
 #   carry [".kvbundle"], timeout_s 600, command:
 #   KVBENCH_GIT_SHA=<commit> KVBENCH_SESSION_OUT=/tmp/kvs bash scripts/gpu_session.sh .kvbundle --tar $OUT/session.tgz
+# (480 s of session in a 600 s call; the machine's start takes a minute or two of the 15). A bench cut by its timeout:
+# at once (the machine still warm, /tmp/kvs kept), the same command with KVBENCH_SESSION_STEPS=bench,prefill and
+# KVBENCH_SESSION_SECONDS fitting what is left resumes from the stored cells.
 # then, here: tar xzf <files_at>/session.tgz -C /tmp/kvs && cp -r /tmp/kvs/results/bench/llama3-8b-random/gpu_targets \
 #   /tmp/kvs/results/bench/llama3-8b-random/gpu_prefill results/bench/llama3-8b-random/ && cp /tmp/kvs/gpu_check.json \
 #   results/bench/gpu_check/smollm2-135m-random.json   (cells.jsonl, targets.md/json and the figures of each bench)
@@ -84,6 +89,14 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$device" in cuda|cpu) ;; *) echo "error: --device ${device:-(empty)}; valid: cuda, cpu" >&2; exit 2 ;; esac
+steps="${KVBENCH_SESSION_STEPS:-check,bench,prefill}"
+for name in ${steps//,/ }; do
+    case "$name" in check|bench|prefill) ;; *)
+        echo "error: KVBENCH_SESSION_STEPS names ${name}; valid: check, bench, prefill (comma-separated, in order)" >&2
+        exit 2 ;;
+    esac
+done
+[ -n "${steps//,/}" ] || { echo "error: KVBENCH_SESSION_STEPS is empty; valid: check, bench, prefill" >&2; exit 2; }
 [ -f "$bundle/manifest.json" ] || { echo "error: $bundle has no manifest.json (make it: python -m kvbench.assets bundle DIR)" >&2; exit 2; }
 # the kvbench source: the bundle's copy, or (a --session bundle has none) the checkout this script sits in
 src="$bundle/src"
@@ -150,13 +163,23 @@ if ! step install 120 "$python" -m kvbench.bundle install "$bundle"; then
     echo "kvbench session: the install refused or failed (logs/install.log); nothing else ran. Results in $out"
     exit 2
 fi
-step check "$check_seconds" "$python" scripts/gpu_check.py "${check_args[@]}" --out "$out/gpu_check.json" || status=1
-left=$((total - (SECONDS - start) - 20 - 120))
-[ "$left" -lt 60 ] && left=60
-read -r -a extra_bench_args <<< "${KVBENCH_BENCH_ARGS:-}"  # e.g. KVBENCH_BENCH_ARGS='only_grids=[0]'
-step bench "$left" "$python" -m kvbench.bench "${bench_args[@]}" "${extra_bench_args[@]}" || status=1
-left=$((total - (SECONDS - start) - 20))
-[ "$left" -lt 60 ] && left=60
-step prefill "$left" "$python" -m kvbench.bench "${prefill_args[@]}" || status=1
+# the steps after the install, in order (KVBENCH_SESSION_STEPS, default check,bench,prefill): each gets what is left
+# of the total but 120 s for each step after it (at least 60 s); the check at most check_seconds
+read -r -a later <<< "${steps//,/ }"
+for name in "${later[@]}"; do
+    later=("${later[@]:1}")
+    left=$((total - (SECONDS - start) - 20 - 120 * ${#later[@]}))
+    [ "$left" -lt 60 ] && left=60
+    case "$name" in
+        check)
+            [ "$left" -gt "$check_seconds" ] && left=$check_seconds
+            step check "$left" "$python" scripts/gpu_check.py "${check_args[@]}" --out "$out/gpu_check.json" || status=1 ;;
+        bench)
+            read -r -a extra_bench_args <<< "${KVBENCH_BENCH_ARGS:-}"  # e.g. KVBENCH_BENCH_ARGS='only_grids=[0]'
+            step bench "$left" "$python" -m kvbench.bench "${bench_args[@]}" "${extra_bench_args[@]}" || status=1 ;;
+        prefill)
+            step prefill "$left" "$python" -m kvbench.bench "${prefill_args[@]}" || status=1 ;;
+    esac
+done
 echo "kvbench session: $((SECONDS - start)) s; $( [ $status -eq 0 ] && echo 'every step passed' || echo 'a step failed' ) (summary.txt); results in $out"
 exit $status

@@ -346,3 +346,47 @@ def test_a_bundle_replaces_an_earlier_one_and_refuses_a_directory_that_holds_non
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not empty and holds no bundle" in err[0]
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_the_session_runs_the_steps_it_is_given_in_their_order_with_their_time(tmp_path):
+    """KVBENCH_SESSION_STEPS picks and orders the steps after the install (a session where a check is committed runs
+    the benches alone); each step gets the total but 120 s for each step after it, the check at most its own share; a
+    step it does not know is refused in one line before anything runs. A stub python records what each step ran."""
+    import subprocess
+
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    stub.chmod(0o755)
+    bundle_dir = tmp_path / "bundle"
+    bundle_dir.mkdir()
+    (bundle_dir / "manifest.json").write_text("{}")
+    script = ROOT / "scripts" / "gpu_session.sh"
+
+    def session(steps):
+        out = tmp_path / f"out-{steps}"
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(stub), "KVBENCH_SESSION_OUT": str(out),
+               "KVBENCH_SESSION_STEPS": steps, "KVBENCH_SESSION_SECONDS": "480"}
+        calls.write_text("")
+        proc = subprocess.run(["bash", str(script), str(bundle_dir)], env=env, capture_output=True, text=True,
+                              timeout=60)
+        ran = [line.split()[:2] for line in calls.read_text().splitlines() if not line.startswith("-c")]
+        return proc, out, ran
+
+    proc, out, ran = session("bench,prefill")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r[1] if r[0] == "-m" else r[0] for r in ran] == ["kvbench.bundle", "kvbench.bench", "kvbench.bench"]
+    summary = [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()]
+    assert summary == ["install", "bench", "prefill"]
+    assert "== bench (timeout 340s)" in proc.stdout and "== prefill (timeout 460s)" in proc.stdout
+
+    proc, out, ran = session("prefill,check,bench")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()] == [
+        "install", "prefill", "check", "bench"]
+    assert "== prefill (timeout 220s)" in proc.stdout and "== check (timeout 200s)" in proc.stdout
+
+    proc, out, ran = session("check,benhc")
+    assert proc.returncode == 2 and not out.exists() and ran == []
+    assert proc.stderr.strip() == "error: KVBENCH_SESSION_STEPS names benhc; valid: check, bench, prefill " \
+                                  "(comma-separated, in order)"
