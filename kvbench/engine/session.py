@@ -324,7 +324,7 @@ class CompressionSession:
             if varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
                 extra += -(held + extra) % SLOT_ROUND
             differs = (layer.ragged is not None or layer.valid is not None) and (compresses or policy.evict is None)
-            plans.append([idx, policy, caps, held, extra, compresses, differs])
+            plans.append((idx, policy, caps, held, extra, compresses, differs))
         # heads of their own lengths (AdaKV): the longest one differs per layer and per prompt and moves at every
         # decode compression, so every such layer gets one slot count: the most any of them needs, rounded up to
         # GROW_ROUND, and never fewer than such layers have had for this method, budget and bucket (a job's samples
@@ -334,11 +334,10 @@ class CompressionSession:
         if needs:
             need = max(needs)
             slots = pool.marks[self._slot_mark] = max(need + -need % GROW_ROUND, pool.marks.get(self._slot_mark, 0))
-            for plan in plans:
-                if plan[6]:
-                    plan[4] = slots - plan[3]
-        for idx, policy, caps, held, extra, compresses, _ in plans:
+        for idx, policy, caps, held, extra, compresses, differs in plans:
             layer = self._layers[idx]
+            if differs:
+                extra = slots - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
             if compresses:
