@@ -170,15 +170,6 @@ def copy_source(repo: Path, dest: Path) -> None:
             shutil.copy2(src, dest / part)
 
 
-def _git_sha(repo: Path) -> str | None:
-    proc = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        return None
-    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return proc.stdout.strip() + ("-dirty" if dirty else "")
-
-
 def session_requirements(requirements: list[str]) -> list[str]:
     """The declared requirements a GPU session imports (``SESSION_REQUIREMENTS``), as pyproject declares them."""
     return [text for text in requirements if _spec(text)[0] in SESSION_REQUIREMENTS]
@@ -189,6 +180,7 @@ def make_bundle(out: Path, repo: Path | None = None, assets: tuple[str, ...] = D
     """Write the bundle under ``out`` (see the module docstring); returns its manifest. ``session``: only what
     scripts/gpu_session.sh runs (``assets`` and ``source`` are then ``SESSION_ASSETS`` and none)."""
     from kvbench import assets as asset_module
+    from kvbench.config import git_sha
 
     repo = repo or Path(__file__).resolve().parents[1]
     _clear_previous(out)
@@ -199,7 +191,7 @@ def make_bundle(out: Path, repo: Path | None = None, assets: tuple[str, ...] = D
     manifest: dict = {
         "made_with": {"python": sys.version.split()[0], "platform": sys.platform},
         "profile": "session" if session else "full",
-        "kvbench": {"git": _git_sha(repo), "source": "src" if source else None},
+        "kvbench": {"git": git_sha(repo), "source": "src" if source else None},
         "node_provided": {},
         "requirements": requirements,
         "wheels": [],

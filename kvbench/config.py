@@ -18,20 +18,21 @@ def project_root() -> str:
     return str(Path.home() / "kvbench")
 
 
-def git_sha() -> str | None:
-    """The checkout's commit (``-dirty`` when tracked files differ from it). A copy of a checkout without ``.git``
-    (a tree sent to a GPU node) reads ``KVBENCH_GIT_SHA`` instead, which whoever copied it sets; else None."""
+def git_sha(root: str | Path | None = None) -> str | None:
+    """The commit of the checkout at ``root`` (default: this one), ``-dirty`` when tracked files differ from it. A
+    copy of a checkout without ``.git`` (a tree sent to a GPU node) reads ``KVBENCH_GIT_SHA`` instead, which whoever
+    copied it sets; else None."""
     import os
     import subprocess
 
+    root = str(root or project_root())
     try:
-        sha = subprocess.run(["git", "-C", project_root(), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
-        dirty = subprocess.run(["git", "-C", project_root(), "status", "--porcelain", "--untracked-files=no"],
+        sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
-        return os.environ.get("KVBENCH_GIT_SHA") or None
-    if sha.returncode != 0:
+        sha = None
+    if sha is None or sha.returncode != 0:
         return os.environ.get("KVBENCH_GIT_SHA") or None
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 

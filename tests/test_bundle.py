@@ -313,6 +313,8 @@ main(["kvbench.bench", "bench=gpu_prefill", "model=tiny-random", "bench.warmup=0
 
 def test_a_copy_without_git_names_its_commit_through_the_environment(tmp_path, monkeypatch):
     """Records and bench targets carry the commit; a tree copied to a node without .git carries KVBENCH_GIT_SHA."""
+    import subprocess
+
     from kvbench import config
 
     monkeypatch.setattr(config, "project_root", lambda: str(tmp_path))
@@ -321,8 +323,10 @@ def test_a_copy_without_git_names_its_commit_through_the_environment(tmp_path, m
     assert config.git_sha() is None
     monkeypatch.setenv("KVBENCH_GIT_SHA", "0123abc")
     assert config.git_sha() == "0123abc"
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     monkeypatch.setattr(config, "project_root", lambda: str(ROOT))
-    assert config.git_sha().split("-")[0] == bundle._git_sha(ROOT).split("-")[0] != "0123abc"  # a checkout's own
+    assert config.git_sha().split("-")[0] == head.strip() != "0123abc"  # a checkout's own commit wins
+    assert config.git_sha(tmp_path) == "0123abc"  # another root: the bundle's repo (make_bundle)
 
 
 def test_a_bundle_replaces_an_earlier_one_and_refuses_a_directory_that_holds_none(tmp_path, capsys):
