@@ -99,6 +99,21 @@ class SessionStats:
         return float(self.attended_entries_sum) / self.decode_layer_calls if self.decode_layer_calls else 0.0
 
 
+def _extra_slots(policy: StaticPolicy, caps: list[int], held: int, compression, budget: Budget,
+                 reserve: int) -> int:
+    """Free slots after the ``held`` entries of a layer turned static for a generation that appends up to ``reserve``
+    tokens: an evicting layer needs one slot for the step's token, or more where a row may grow before it evicts (a
+    capacity above what the layer holds: D2O's rows that the official code never compresses); a layer that never
+    evicts, one per token; a layer compressed during decode (``compression``) appends up to its target (or what it
+    holds) plus one interval."""
+    if compression is not None:
+        target = compression.spec.target(1 << 40, budget)  # the most: not a ratio (graph_refusal)
+        return max(1, min(reserve, max(held, target) + compression.interval(target) - held))
+    if policy.evict is not None:
+        return max(1, min(reserve, max(caps) + 1 - held))
+    return max(1, reserve)
+
+
 class CompressionSession:
     """``sliding_layers`` (``engine.architecture``): ``window`` leaves sliding-window layers to their window and lets
     the method compress the full-attention layers (seeing them as layers ``0 .. L'-1`` of an ``L'``-layer model, so
@@ -108,7 +123,7 @@ class CompressionSession:
 
     def __init__(self, model, method: Method, budget: Budget, position_mode: str = "original",
                  sliding_layers: str = "auto", compile: bool | str = False, tokenizer=None,
-                 few_kernels: bool | None = None):
+                 few_kernels: bool | None = None, job_lengths: tuple[int, int] | None = None):
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"position_mode={position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
         if sliding_layers not in SLIDING_POLICIES:
@@ -135,6 +150,10 @@ class CompressionSession:
         self._chosen: dict[int, torch.Tensor] = {}  # a selection shared between layers, by its writer (OmniKV's filter)
         self._static_pending = False  # engine.compile: the layers become static after this decode step
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
+        #: the job's longest prompt (tokens, as encoded) and its most new tokens: the captured decode sizes the layers
+        #: whose slot count follows the prompt for the longest, so a job's samples replay one graph over one set of
+        #: buffers (the same addresses) instead of a graph per SLOT_ROUND bucket of prompt length, in the job's order
+        self.job_lengths = job_lengths
         self._cache = None  # the cache container of the current forward (its layers are replaced by static ones)
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
@@ -252,6 +271,18 @@ class CompressionSession:
         """The generation loop announces how many tokens it may append (the slots a method that never evicts needs)."""
         self._reserve = decode_tokens
 
+    def _job_slots(self, idx: int, policy: StaticPolicy, caps: list[int], compression) -> int | None:
+        """The slots layer ``idx`` would take for the job's longest prompt and most new tokens (``job_lengths``): what
+        the layer keeps of that prompt (all of it where the method does not act on the layer) plus what the layer
+        appends, by the same rule as the sample's own count. None without job lengths. A sample whose layer needs
+        more (a per-layer allocation above the budget's mean) takes its own count, as without job lengths."""
+        if self.job_lengths is None:
+            return None
+        longest, new_tokens = self.job_lengths
+        acts = idx in self._method_index and not self.budget.is_full
+        held = self.budget.tokens_for(longest) if acts else longest
+        return held + _extra_slots(policy, caps, held, compression, self.budget, max(self._reserve, new_tokens))
+
     def _check_static(self) -> None:
         """Refuse a method without a static decode step (``Method.static_policy``), before any forward."""
         if any(self.layer_specs[i].sliding for i in self.compressed):
@@ -312,16 +343,14 @@ class CompressionSession:
                 policy = StaticPolicy()
             if spec.sliding and policy.evict is None:  # the window: the oldest entry leaves past window - 1
                 policy, caps = StaticPolicy(evict=evict_oldest), [spec.window - 1] * len(caps)
-            # an evicting layer needs one slot for the step's token, or more where a row may grow before it evicts (a
-            # capacity above what the layer holds: D2O's rows that the official code never compresses)
             held = layer.num_entries  # a ragged layer: its longest head and the tail
-            grow = max(caps) + 1 - held
-            extra = max(1, min(self._reserve, grow)) if policy.evict is not None else max(1, self._reserve)
             compresses = compression is not None and idx in self._method_index
-            if compresses:  # appends up to a compression: at most the target (or the prompt's) plus one interval
-                target = compression.spec.target(1 << 40, self.budget)  # the most: not a ratio (graph_refusal)
-                extra = max(1, min(self._reserve, max(held, target) + compression.interval(target) - held))
-            if varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
+            extra = _extra_slots(policy, caps, held, compression if compresses else None, self.budget,
+                                 self._reserve)
+            job = None if spec.sliding else self._job_slots(idx, policy, caps, compression if compresses else None)
+            if job is not None and held + extra <= job:
+                extra = job - held  # the job's longest prompt's count: every sample replays one graph over one buffer
+            elif varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
                 extra += -(held + extra) % SLOT_ROUND
             differs = (layer.ragged is not None or layer.valid is not None) and (compresses or policy.evict is None)
             plans.append((idx, policy, caps, held, extra, compresses, differs))

@@ -68,6 +68,7 @@ def run_job(cfg: DictConfig, loaded: Any = None, prepared: Job | None = None) ->
         except KVBenchError:  # a model or data refused while loading: no empty job directory is left behind
             jobdir.discard_if_empty()
             raise
+        lengths = _job_lengths(job, samples, loaded)  # before the limit: a sample's slots are the whole job's
         if cfg.limit is not None:
             samples = samples[: cfg.limit]  # a limit counts prompts; each is n rows when sampled
         samples, rows_of = expand_samples(samples, job.sampling, cfg.seed)
@@ -88,7 +89,7 @@ def run_job(cfg: DictConfig, loaded: Any = None, prepared: Job | None = None) ->
             return CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode,
                                       tokenizer=loaded.tokenizer,
                                       sliding_layers=cfg.get("sliding_layers", "auto"),
-                                      compile=job.decode == "graph")
+                                      compile=job.decode == "graph", job_lengths=lengths)
 
         answerer = EngineAnswerer(loaded, new_session, job.budget)  # answers the requests of tasks with own loops
         strict = bool(cfg.get("strict", False))
@@ -145,6 +146,23 @@ def run_job(cfg: DictConfig, loaded: Any = None, prepared: Job | None = None) ->
     _log_wandb(cfg, job, scores, records, meta)
     _print_table(cfg, job, scores, jobdir, skipped=False)
     return scores
+
+
+def _job_lengths(job: Job, samples: list, loaded: Any) -> tuple[int, int] | None:
+    """For a captured decode (``engine.decode=graph``) of a generate-then-score task: the longest prompt of every
+    sample of the job (as ``encode_sample`` feeds it) and the most new tokens any of them may take. The session sizes
+    the layers whose slot count follows the prompt (FullKV, ratio budgets, prompts within the budget) for these, so
+    the job's samples replay one compiled graph over the same buffers; without them each bucket of 256 prompt tokens
+    would compile a graph of its own (a minute of inductor per graph for an 8B model), in the job's order, and a
+    bucket met again after another would record its CUDA graph again over new buffers. None for an eager decode, a
+    staged job and a task with its own evaluation loop (its requests are not the samples' prompts)."""
+    from kvbench.tasks.base import Task
+    from kvbench.tasks.encoding import encode_sample
+
+    if job.decode != "graph" or staged(job.cfg) or type(job.task).evaluate is not Task.evaluate or not samples:
+        return None
+    longest = max(len(encode_sample(job.task, s, loaded.tokenizer, job.spec)) for s in samples)
+    return longest, max(job.task.max_new_tokens_for(s) for s in samples)
 
 
 class JobInterrupted(KeyboardInterrupt):

@@ -1,0 +1,108 @@
+"""A job's captured decode replays one graph over one set of buffers, whatever its prompts' lengths (issue #36 item 1).
+
+A layer whose slot count follows the prompt (FullKV, a ratio budget, a prompt within a fixed budget) used to take a
+count rounded up to 256 per sample: a job whose prompts span N buckets of 256 compiled N graphs (inductor: about a
+minute each for an 8B model, measured 60-112 s for 32 layers on this CPU), in the job's order, and a bucket met
+again after another reallocated its buffers (on a GPU, a CUDA graph recorded again over the new addresses). With
+the job's longest prompt and most new tokens (``CompressionSession(job_lengths=...)``, which the job runner reads
+off every sample of the job, its limit aside) every sample's layers take the count of the longest: one graph, one
+buffer. Pinned as counts and addresses, and the tokens stay the host-driven path's.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvbench.budget import Budget
+from kvbench.engine import CompressionSession, greedy_generate
+from kvbench.engine.static import release_slot_pool, slot_pool
+from kvbench.methods import build_method
+
+pytestmark = pytest.mark.compat
+#: a job's prompts in its order: four buckets of 256 tokens, one prompt shorter than a 256-token budget
+LENGTHS = [300, 900, 130, 610]
+NEW = 12
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _job(model, name: str, budget: str, compile, job_lengths=None):
+    """Every prompt of the job in a session of its own, as the job runner runs them: per sample, its tokens, its
+    first layer's slot count and that buffer's address; and the graphs dynamo compiled meanwhile."""
+    b = Budget.parse(budget)
+    method = build_method({"name": name}, b)
+    release_slot_pool(model)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    out = []
+    for seed, n in enumerate(LENGTHS):
+        with CompressionSession(model, method, b, compile=compile, job_lengths=job_lengths) as session:
+            tokens = greedy_generate(model, [_prompt(n, seed)], NEW, [], 0).tokens
+        keys = slot_pool(model)._held.get((0, "keys")) if compile else None
+        out.append((tokens, None if keys is None else (keys.shape[-2], keys.data_ptr()), session))
+    return out, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+
+@pytest.mark.parametrize(("name", "budget"), [("fullkv", "full"), ("snapkv", "256"), ("snapkv", "0.5"),
+                                              ("streamingllm", "256")])
+def test_a_jobs_samples_replay_one_graph_over_one_buffer(toy_llama, name, budget):
+    eager, _ = _job(toy_llama, name, budget, False)
+    captured, graphs = _job(toy_llama, name, budget, "eager", job_lengths=(max(LENGTHS), NEW))
+    assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
+    assert len({slots for _, slots, _ in captured}) == 1  # one slot count and one address for the whole job
+    assert graphs <= 1  # (0 where an earlier test of this process compiled the same count)
+
+
+def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):
+    captured, graphs = _job(toy_llama, "fullkv", "full", "eager")
+    counts = [slots for _, (slots, _), _ in captured]
+    assert counts == [512, 1024, 256, 768] and graphs == 4  # what a job paid before job_lengths
+
+
+def test_a_layer_that_needs_more_than_the_jobs_longest_takes_its_own_count(toy_llama):
+    """Job lengths that understate the job (a caller's mistake, or a per-layer allocation above the budget's mean)
+    never cut a layer short: a sample that needs more takes its own rounded count, as without them; the others the
+    job's (200 + 12)."""
+    captured, _ = _job(toy_llama, "fullkv", "full", "eager", job_lengths=(200, NEW))
+    assert [slots for _, (slots, _), _ in captured] == [512, 1024, 212, 768]
+
+
+def test_the_job_runner_gives_every_session_the_whole_jobs_lengths(tmp_path, monkeypatch, tokenizer):
+    """``_job_lengths`` reads every sample of the job (a ``limit`` run's sessions are sized as the full job's, so a
+    sample's record does not depend on the limit), only for a captured decode."""
+    from hydra import compose, initialize_config_dir
+
+    import kvbench.engine
+    from kvbench.config import CONF_DIR, register_resolvers
+    from kvbench.jobs import plan_job
+    from kvbench.jobs.runner import _job_lengths, run_job
+    from kvbench.tasks.encoding import encode_sample
+
+    overrides = ["model=tiny-random", "task=passkey", "task.context_lengths=[256,512]", "task.depths=[50]",
+                 "task.max_new_tokens=6", "limit=1", f"paths.results_dir={tmp_path}"]
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        graph_cfg = compose(config_name="config", overrides=[*overrides, "engine.decode=graph"])
+        eager_cfg = compose(config_name="config", overrides=overrides)
+    job = plan_job(graph_cfg)
+    samples = job.task.samples(tokenizer)
+    lengths = [len(encode_sample(job.task, s, tokenizer, job.spec)) for s in samples]
+    assert len(samples) == 2 and lengths[0] < lengths[1]
+    loaded = SimpleNamespace(tokenizer=tokenizer)
+    assert _job_lengths(job, samples, loaded) == (max(lengths), 6)
+    assert _job_lengths(plan_job(eager_cfg), samples, loaded) is None
+
+    seen = []
+
+    class Spy(CompressionSession):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("job_lengths"))
+            super().__init__(*args, **{**kwargs, "compile": "eager"})  # dynamo's capture without inductor's kernels
+
+    monkeypatch.setattr(kvbench.engine, "CompressionSession", Spy)
+    run_job(graph_cfg)
+    assert seen == [(max(lengths), 6)]  # limit=1 ran the shorter sample, sized for the longer one
