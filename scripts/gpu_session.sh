@@ -13,8 +13,9 @@
 # (the checkout, about 35 MB, and .kvbundle travel; a copy without .git names its commit through KVBENCH_GIT_SHA, which
 # environment.txt and every targets.json record; --tar packs the results folder into one file at any exit).
 #
-# Steps, each under its own `timeout`, every result under one output folder ($KVBENCH_SESSION_OUT, default
-# ./kvbench-session-<UTC time>; printed at the start and at the end):
+# Steps (the install, then the others in KVBENCH_SESSION_STEPS' order, below), each under its own `timeout`, every
+# result under one output folder ($KVBENCH_SESSION_OUT, default ./kvbench-session-<UTC time>; printed at the start
+# and at the end):
 #   1. install  python -m kvbench.bundle install DIR: refuses in one line when the node's torch or transformers is
 #               outside pyproject's range; otherwise installs, into DIR/site only (pip --no-index --no-deps --target),
 #               the bundled pure-Python wheels the node's python lacks (hydra-core, omegaconf, antlr4-python3-runtime
@@ -26,13 +27,20 @@
 #   4. prefill  python -m kvbench.bench bench=gpu_prefill model=llama3-8b-random model.dtype=bfloat16 (issue #37's
 #               prefill bounds, every method paired with FullKV at 4k, and where each prefill's time goes)
 #               -> results/bench/llama3-8b-random/gpu_prefill/<device>/
-# Budget on one H100/H200: 8 minutes in all (KVBENCH_SESSION_SECONDS=480): install at most 120 s, the check 200 s,
-# the decode bench what is left but 120 s (at least 60 s), the prefill bench the rest (at least 60 s); --device cpu:
-# 15 minutes, the check 480 s. A step that times out is recorded as such; later steps still run. KVBENCH_BENCH_ARGS
-# adds decode-bench overrides (only_grids=[0]: gpu_targets' batch-1 grid alone, without batch 16); a bench cut by its
-# timeout resumes from its stored cells when run again. KVBENCH_SESSION_STEPS picks and orders the steps after the
-# install (default check,bench,prefill; e.g. bench,prefill where a check is already committed): each gets what is left
-# but 120 s for each step after it.
+# Budget on one H100/H200: 8 minutes in all (KVBENCH_SESSION_SECONDS=480), install at most 120 s; --device cpu: 15
+# minutes, the check 480 s. KVBENCH_SESSION_STEPS picks and orders the steps after the install: check, prefill,
+# bench (every grid of the decode bench) and bench:N (its grid N alone); default bench:0,prefill,bench,check, most
+# valuable first: gpu_targets' grid 0 (FullKV and SnapKV at batch 1 beside both transformers peers and the floor:
+# issue #36's headline targets), the prefill bench (#37's bounds), the decode bench's other grids (batch 16; H2O,
+# TOVA, D2O, StreamingLLM), resuming from grid 0's stored cells, then the check (a CUDA check is committed from an
+# earlier lease). Each step gets what is left of the total but what the steps after it keep (the prefill bench 150
+# s, any other 60 s), at least 60 s; the check at most 200 s. Each whole-step compile of an 8B model takes on the
+# order of a minute (60-112 s for 32 layers of a small model with inductor on this project's 2-core CPU), so a
+# decode bench may well be cut: its timeout sends SIGTERM, and the bench judges and writes every cell it stored
+# (targets.md / .json say which target cells were not measured, each row its cell_seconds and
+# decode_first_run_seconds: what the compiles cost) before it exits; the same command again, or
+# KVBENCH_SESSION_STEPS=bench, resumes from the stored cells. A step that times out is recorded as such; later
+# steps still run. KVBENCH_BENCH_ARGS adds decode-bench overrides.
 # Exit status: 0 when every step passed, 2 when the install refused, 1 otherwise. summary.txt lists each step.
 #
 # Rehearsed on a CPU, 2026-11-27 (2 shared cores, python 3.11), offline, in a fresh venv holding what the GPU image
@@ -64,10 +72,10 @@
 # On this project's lent GPU (the device tool's `run`, from the checkout's root; .kvbundle is ignored, so it is named
 # in carry; $OUT/session.tgz comes back):
 #   carry [".kvbundle"], timeout_s 600, command:
-#   KVBENCH_GIT_SHA=<commit> KVBENCH_SESSION_OUT=/tmp/kvs bash scripts/gpu_session.sh .kvbundle --tar $OUT/session.tgz
-# (480 s of session in a 600 s call; the machine's start takes a minute or two of the 15). A bench cut by its timeout:
-# at once (the machine still warm, /tmp/kvs kept), the same command with KVBENCH_SESSION_STEPS=bench,prefill and
-# KVBENCH_SESSION_SECONDS fitting what is left resumes from the stored cells.
+#   KVBENCH_GIT_SHA=<commit> KVBENCH_SESSION_SECONDS=550 KVBENCH_SESSION_OUT=/tmp/kvs bash scripts/gpu_session.sh \
+#       .kvbundle --tar $OUT/session.tgz
+# (550 s of session in a 600 s call: the install, the tarball and the 15 s of a killed step's grace fit the rest; the
+# machine's start takes minutes of the 15, so this one call is the session's whole GPU time).
 # then, here: tar xzf <files_at>/session.tgz -C /tmp/kvs && cp -r /tmp/kvs/results/bench/llama3-8b-random/gpu_targets \
 #   /tmp/kvs/results/bench/llama3-8b-random/gpu_prefill results/bench/llama3-8b-random/ && cp /tmp/kvs/gpu_check.json \
 #   results/bench/gpu_check/smollm2-135m-random.json   (cells.jsonl, targets.md/json and the figures of each bench)
@@ -89,14 +97,14 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$device" in cuda|cpu) ;; *) echo "error: --device ${device:-(empty)}; valid: cuda, cpu" >&2; exit 2 ;; esac
-steps="${KVBENCH_SESSION_STEPS:-check,bench,prefill}"
+steps="${KVBENCH_SESSION_STEPS:-bench:0,prefill,bench,check}"
 for name in ${steps//,/ }; do
-    case "$name" in check|bench|prefill) ;; *)
-        echo "error: KVBENCH_SESSION_STEPS names ${name}; valid: check, bench, prefill (comma-separated, in order)" >&2
+    case "$name" in check|bench|bench:[0-9]|prefill) ;; *)
+        echo "error: KVBENCH_SESSION_STEPS names ${name}; valid: check, bench, bench:N (grid N alone), prefill (comma-separated, in order)" >&2
         exit 2 ;;
     esac
 done
-[ -n "${steps//,/}" ] || { echo "error: KVBENCH_SESSION_STEPS is empty; valid: check, bench, prefill" >&2; exit 2; }
+[ -n "${steps//,/}" ] || { echo "error: KVBENCH_SESSION_STEPS is empty; valid: check, bench, bench:N, prefill" >&2; exit 2; }
 [ -f "$bundle/manifest.json" ] || { echo "error: $bundle has no manifest.json (make it: python -m kvbench.assets bundle DIR)" >&2; exit 2; }
 # the kvbench source: the bundle's copy, or (a --session bundle has none) the checkout this script sits in
 src="$bundle/src"
@@ -142,7 +150,7 @@ step() {
     local name="$1" seconds="$2" t0=$SECONDS rc
     shift 2
     echo "== $name (timeout ${seconds}s): $*"
-    timeout --kill-after=15 "$seconds" "$@" 2>&1 | tee "$out/logs/$name.log"
+    timeout --kill-after=15 "$seconds" "$@" 2>&1 | tee "$out/logs/${name//:/-}.log"
     rc=${PIPESTATUS[0]}
     local verdict="ok"
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then verdict="timed out after ${seconds}s"; elif [ "$rc" -ne 0 ]; then verdict="failed (exit $rc)"; fi
@@ -163,20 +171,28 @@ if ! step install 120 "$python" -m kvbench.bundle install "$bundle"; then
     echo "kvbench session: the install refused or failed (logs/install.log); nothing else ran. Results in $out"
     exit 2
 fi
-# the steps after the install, in order (KVBENCH_SESSION_STEPS, default check,bench,prefill): each gets what is left
-# of the total but 120 s for each step after it (at least 60 s); the check at most check_seconds
+# what a step keeps for itself from the steps before it: the prefill bench's ~30 eager prefills need about 2
+# minutes, a decode bench a minute at least (model load, a compile), the check a minute
+reserve() { case "$1" in prefill) echo 150 ;; *) echo 60 ;; esac; }
+# the steps after the install, in order (KVBENCH_SESSION_STEPS, default bench:0,prefill,bench,check): each gets what
+# is left of the total but the reserves of the steps after it (at least 60 s); the check at most check_seconds. A
+# bench stopped by its step's timeout (SIGTERM) still judges and writes every cell it stored; a later bench step
+# resumes from them (bench:0 then bench: the headline grid first, then the other grids)
 read -r -a later <<< "${steps//,/ }"
 for name in "${later[@]}"; do
     later=("${later[@]:1}")
-    left=$((total - (SECONDS - start) - 20 - 120 * ${#later[@]}))
+    kept=0
+    for next in "${later[@]}"; do kept=$((kept + $(reserve "$next"))); done
+    left=$((total - (SECONDS - start) - 20 - kept))
     [ "$left" -lt 60 ] && left=60
     case "$name" in
         check)
             [ "$left" -gt "$check_seconds" ] && left=$check_seconds
             step check "$left" "$python" scripts/gpu_check.py "${check_args[@]}" --out "$out/gpu_check.json" || status=1 ;;
-        bench)
+        bench|bench:*)
             read -r -a extra_bench_args <<< "${KVBENCH_BENCH_ARGS:-}"  # e.g. KVBENCH_BENCH_ARGS='only_grids=[0]'
-            step bench "$left" "$python" -m kvbench.bench "${bench_args[@]}" "${extra_bench_args[@]}" || status=1 ;;
+            [ "$name" = bench ] || extra_bench_args+=("only_grids=[${name#bench:}]")
+            step "$name" "$left" "$python" -m kvbench.bench "${bench_args[@]}" "${extra_bench_args[@]}" || status=1 ;;
         prefill)
             step prefill "$left" "$python" -m kvbench.bench "${prefill_args[@]}" || status=1 ;;
     esac

@@ -427,3 +427,42 @@ def test_a_profiler_failure_is_stored_as_its_error_not_the_cells_end(caplog):
     assert _profiled(decode_kernels, 1, x=2) == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
     assert "decode_kernels failed" in caplog.text
     assert _profiled(lambda *a: {"calls": len(a)}, 1, 2) == {"calls": 2}
+
+
+def test_a_bench_stopped_by_sigterm_judges_what_it_stored(tmp_path):
+    """``timeout`` (a GPU session's step budget) sends SIGTERM: the bench loses the cell under way, writes cells.csv,
+    targets.json / .md from every stored cell, says which target cells were not measured, and exits 143; a run after
+    it resumes from the stored cells. A last line cut short by a SIGKILL is skipped with a warning when resuming."""
+    import os
+    import signal
+    import time
+
+    store = tmp_path / "bench" / "tiny-random" / "smoke" / "cpu"
+    args = [sys.executable, "-m", "kvbench.bench", "model=tiny-random", "bench=smoke", f"paths.results_dir={tmp_path}",
+            "bench.grids.0.metrics=[prefill,decode]", "bench.repeats=40"]  # about a second per cell, six cells
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ((store / "cells.jsonl").exists() and (store / "cells.jsonl").read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stored = [json.loads(line) for line in (store / "cells.jsonl").read_text().splitlines()]
+    assert 1 <= len(stored) < 6 and "cells not measured" in out + err and "stopped: SIGTERM" in err  # (hydra logs
+    # to stdout)
+    assert all(r["cell_seconds"] > 0 for r in stored)
+    assert len((store / "cells.csv").read_text().splitlines()) == 1 + len(stored)
+    verdicts = json.loads((store / "targets.json").read_text())["targets"]
+    missing = {v["method"] for v in verdicts if v.get("note") == "not measured"}
+    measured = {r["method"] for r in stored}
+    assert missing == {"snapkv", "h2o"} - measured and missing  # fullkv runs first
+    assert "not measured" in (store / "targets.md").read_text()
+    with (store / "cells.jsonl").open("a") as f:
+        f.write('{"model": "tiny-random", "dev')  # a SIGKILL while writing
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "is not a whole cell" in done.stdout + done.stderr
+    assert len([json.loads(line) for line in (store / "cells.jsonl").read_text().splitlines()]) == 6
+    verdicts = json.loads((store / "targets.json").read_text())["targets"]
+    assert verdicts and not any(v.get("note") == "not measured" for v in verdicts)

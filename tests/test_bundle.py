@@ -353,9 +353,10 @@ def test_a_bundle_replaces_an_earlier_one_and_refuses_a_directory_that_holds_non
 
 
 def test_the_session_runs_the_steps_it_is_given_in_their_order_with_their_time(tmp_path):
-    """KVBENCH_SESSION_STEPS picks and orders the steps after the install (a session where a check is committed runs
-    the benches alone); each step gets the total but 120 s for each step after it, the check at most its own share; a
-    step it does not know is refused in one line before anything runs. A stub python records what each step ran."""
+    """KVBENCH_SESSION_STEPS picks and orders the steps after the install; by default the decode bench's headline grid
+    first (bench:0 runs it alone), the prefill bench, the decode bench's other grids, the check. Each step gets the
+    total but what the steps after it keep (the prefill bench 150 s, any other 60 s), the check at most its own share;
+    a step it does not know is refused in one line before anything runs. A stub python records what each step ran."""
     import subprocess
 
     calls = tmp_path / "calls.txt"
@@ -370,27 +371,40 @@ def test_the_session_runs_the_steps_it_is_given_in_their_order_with_their_time(t
     def session(steps):
         out = tmp_path / f"out-{steps}"
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(stub), "KVBENCH_SESSION_OUT": str(out),
-               "KVBENCH_SESSION_STEPS": steps, "KVBENCH_SESSION_SECONDS": "480"}
+               "KVBENCH_SESSION_SECONDS": "480"}
+        if steps is not None:
+            env["KVBENCH_SESSION_STEPS"] = steps
         calls.write_text("")
         proc = subprocess.run(["bash", str(script), str(bundle_dir)], env=env, capture_output=True, text=True,
                               timeout=60)
-        ran = [line.split()[:2] for line in calls.read_text().splitlines() if not line.startswith("-c")]
+        ran = [line for line in calls.read_text().splitlines() if not line.startswith("-c")]
         return proc, out, ran
+
+    proc, out, ran = session(None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r.split()[1] if r.startswith("-m") else r.split()[0] for r in ran] == [
+        "kvbench.bundle", "kvbench.bench", "kvbench.bench", "kvbench.bench", "scripts/gpu_check.py"]
+    assert "bench=gpu_targets" in ran[1] and ran[1].endswith("only_grids=[0]")
+    assert "bench=gpu_prefill" in ran[2] and "bench=gpu_targets" in ran[3] and "only_grids" not in ran[3]
+    summary = [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()]
+    assert summary == ["install", "bench:0", "prefill", "bench", "check"]
+    assert (out / "logs" / "bench-0.log").exists()
+    for name, seconds in [("bench:0", 190), ("prefill", 340), ("bench", 400), ("check", 200)]:
+        assert f"== {name} (timeout {seconds}s)" in proc.stdout, proc.stdout
 
     proc, out, ran = session("bench,prefill")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [r[1] if r[0] == "-m" else r[0] for r in ran] == ["kvbench.bundle", "kvbench.bench", "kvbench.bench"]
-    summary = [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()]
-    assert summary == ["install", "bench", "prefill"]
-    assert "== bench (timeout 340s)" in proc.stdout and "== prefill (timeout 460s)" in proc.stdout
+    assert [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()] == [
+        "install", "bench", "prefill"]
+    assert "== bench (timeout 310s)" in proc.stdout and "== prefill (timeout 460s)" in proc.stdout
 
     proc, out, ran = session("prefill,check,bench")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()] == [
         "install", "prefill", "check", "bench"]
-    assert "== prefill (timeout 220s)" in proc.stdout and "== check (timeout 200s)" in proc.stdout
+    assert "== prefill (timeout 340s)" in proc.stdout and "== check (timeout 200s)" in proc.stdout
 
     proc, out, ran = session("check,benhc")
     assert proc.returncode == 2 and not out.exists() and ran == []
-    assert proc.stderr.strip() == "error: KVBENCH_SESSION_STEPS names benhc; valid: check, bench, prefill " \
-                                  "(comma-separated, in order)"
+    assert proc.stderr.strip() == "error: KVBENCH_SESSION_STEPS names benhc; valid: check, bench, bench:N (grid N " \
+                                  "alone), prefill (comma-separated, in order)"

@@ -53,6 +53,9 @@ class CellResult:
     decode_kernels: dict[str, Any] | None = None
     #: ``prefill_kernels``: where one prefill's time goes (``prefill_kernels``): its kernels (CUDA) or operators (CPU)
     prefill_kernels: dict[str, Any] | None = None
+    #: the first decode run's wall seconds (a warm-up: prefill, the captured step's compile where it is new, its
+    #: steps): what a cell costs beyond its timed runs (a GPU session's budget is planned from it)
+    decode_first_run_seconds: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -230,8 +233,12 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
         outs = []
         for i in range(warmup + repeats):
             steps = new_tokens if i >= warmup or warmup_new_tokens is None else min(warmup_new_tokens, new_tokens)
+            started = time.perf_counter()
             with CompressionSession(model, method, budget, compile=compile, tokenizer=tok) as session:
                 out = greedy_generate(model, prompts, steps, [], loaded.tokenizer.pad_token_id)
+            if i == 0:
+                _sync(model.device)
+                result.decode_first_run_seconds = round(time.perf_counter() - started, 3)
             if i >= warmup:
                 outs.append(out)
         per_token = [o.decode_seconds / o.decode_steps for o in outs if o.decode_steps]

@@ -22,11 +22,15 @@ times the cell's floor). A prefill target on a paired cell uses the median of th
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
 import platform
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +149,20 @@ def _check_shape(bench: DictConfig, index: int, length: Any, batch: Any) -> None
                           f"must be positive integers")
 
 
+def _base_row(cell: dict[str, Any], context: dict[str, Any], peer_context: dict[str, Any]) -> dict[str, Any]:
+    """A cell's row before it is measured: what identifies it in the store (``_cell_key``)."""
+    peer = bool(cell.get("peer"))
+    return {**(peer_context if peer else context), "method": cell["method"],
+            "budget": "full" if peer else cell["budget"].label(), "context_length": cell["context_length"],
+            "batch_size": cell["batch_size"]}
+
+
 def _cell_key(row: dict[str, Any]) -> tuple:
     return (*(row[f] for f in FIELDS), bool(row.get("compile", False)))
+
+
+class BenchStopped(Exception):
+    """A bench ended by SIGTERM (a session step's ``timeout``): what it had measured is stored and judged."""
 
 
 def run_bench(cfg: DictConfig) -> None:
@@ -155,6 +171,53 @@ def run_bench(cfg: DictConfig) -> None:
     except KVBenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except BenchStopped as exc:
+        print(f"stopped: {exc}", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
+
+
+class _Signalled(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm():
+    """While the cells are measured, SIGTERM (``timeout``, a scheduler's time limit) interrupts the cell under way
+    instead of killing the process, so that the cells already stored are judged and written (targets.md / .json,
+    cells.csv) before it exits: a bench cut by a GPU session's step budget still reports what it measured."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Signalled(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _read_store(store: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """The stored cells. A line cut short by a killed run is left out with one warning (its cell is measured again)
+    and, with ``repair``, dropped from the file (rewritten whole, then renamed), so that new cells start a line."""
+    rows, bad = [], False
+    if store.exists():
+        for number, line in enumerate(store.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                bad = True
+                log.warning("%s line %d is not a whole cell (a run killed while writing it); measured again", store,
+                            number)
+    if bad and repair:
+        tmp = store.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(store)
+    return rows
 
 
 def _run(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -191,7 +254,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     out_dir = Path(cfg.paths.results_dir) / "bench" / spec.name / bench.name / device.split(":")[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     store = out_dir / "cells.jsonl"
-    rows = [json.loads(x) for x in store.read_text().splitlines() if x] if store.exists() else []
+    rows = _read_store(store, repair=True)
     context = {"model": spec.name, "device": device, "dtype": spec.dtype, "threads": torch.get_num_threads()}
     compile_decode = bool(bench.get("compile", False))
     if compile_decode:  # the captured decode (engine.decode=graph); left out of rows measured without it
@@ -199,9 +262,7 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     # a peer row is plain transformers: kvbench's decode path (compile) does not apply to it
     peer_context = {k: v for k, v in context.items() if k != "compile"}
     if cfg.rerun:  # measure this run's cells again; the store keeps every other cell (e.g. grids not in only_grids)
-        again = {_cell_key({**(peer_context if c.get("peer") else context), "method": c["method"],
-                            "budget": c["budget"].label(), "context_length": c["context_length"],
-                            "batch_size": c["batch_size"]}) for c in cells}
+        again = {_cell_key(_base_row(c, context, peer_context)) for c in cells}
         rows = [r for r in rows if _cell_key(r) not in again]
         tmp = store.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -212,83 +273,95 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     floor.bind(loaded, out_dir)
     # the peers run after every kvbench cell: the static peer's compile (CUDA graph pools, dynamo caches) stays out of
     # kvbench's numbers
-    with store.open("a") as f:
-        for cell in [c for c in cells if not c.get("peer")] + [c for c in cells if c.get("peer")]:
-            if cell.get("peer"):
-                row = {**peer_context, "method": cell["method"], "budget": "full",
-                       "context_length": cell["context_length"], "batch_size": cell["batch_size"]}
+    ordered = [c for c in cells if not c.get("peer")] + [c for c in cells if c.get("peer")]
+    stopped, started = None, time.perf_counter()
+    with _stop_on_sigterm(), store.open("a") as f:
+        try:
+            for cell in ordered:
+                row, measuring = _base_row(cell, context, peer_context), time.perf_counter()
+                if cell.get("peer"):
+                    if _cell_key(row) in done:
+                        continue
+                    log.info("measuring peer %s, %d tokens, batch %d", row["method"], row["context_length"],
+                             row["batch_size"])
+                    row.update(measure_peer(loaded, cell["method"], cell["context_length"], cell["batch_size"],
+                                            cell["new_tokens"], bench.warmup, cell["repeats"],
+                                            OmegaConf.to_container(bench.peer_compile) if bench.get("peer_compile")
+                                            else None).as_dict())
+                    # the peer's cache is dense: the prompt's K and V, as FullKV's after prefill
+                    row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
+                    row.update(floor.fields(budget_bytes(loaded, Budget.full(), cell["context_length"],
+                                                         cell["batch_size"]), row.get("decode_ms_per_token")))
+                    row["cell_seconds"] = round(time.perf_counter() - measuring, 2)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    rows.append(row)
+                    continue
+                method = methods.get((cell["method"], cell["budget"].label()))
+                if method is None:
+                    continue
                 if _cell_key(row) in done:
                     continue
-                log.info("measuring peer %s, %d tokens, batch %d", row["method"], row["context_length"],
+                log.info("measuring %s@%s, %d tokens, batch %d", row["method"], row["budget"], row["context_length"],
                          row["batch_size"])
-                row.update(measure_peer(loaded, cell["method"], cell["context_length"], cell["batch_size"],
-                                        cell["new_tokens"], bench.warmup, cell["repeats"],
-                                        OmegaConf.to_container(bench.peer_compile) if bench.get("peer_compile")
-                                        else None).as_dict())
-                # the peer's cache is dense: the prompt's K and V, as FullKV's after prefill
+                metrics = [m for m in cell["metrics"] if not (isolate and m == "memory")]
+                result = measure_cell(loaded, method, cell["budget"], cell["context_length"], cell["batch_size"],
+                                      metrics, cell["new_tokens"], bench.warmup, cell["repeats"],
+                                      baseline=fullkv if cell["paired"] else None,
+                                      warmup_new_tokens=bench.get("decode_warmup_tokens"), compile=compile_decode)
+                row.update(result.as_dict())
+                method_cfg = method_config(cell["config"], cell["overrides"])
+                if cell["config"] != cell["method"]:  # a named variant: what it is, in its row
+                    row.update(method_config_name=cell["config"], method_overrides=cell["overrides"])
+                if isolate and "memory" in cell["metrics"]:
+                    got = probe_in_subprocess(request(spec, method_cfg, row["budget"], cell["context_length"],
+                                                      cell["batch_size"], "prefill", seed=cfg.seed))
+                    row["prefill_peak_bytes"] = got["peak_bytes"]
+                    row["resident_kv_bytes"] = row.get("resident_kv_bytes") or got["resident_kv_bytes"]
+                    row["memory_probe"] = "fresh process"
+                if "max_batch" in cell["metrics"]:
+                    limit = int(cell["memory_limit_gb"] * 2**30)
+                    probe = None
+                    if isolate:
+                        def probe(batch, cell=cell, method_cfg=method_cfg, label=row["budget"]):
+                            return probe_in_subprocess(request(spec, method_cfg, label, cell["context_length"], batch,
+                                                               "generate", cell["new_tokens"], cfg.seed))["peak_bytes"]
+                    row["max_batch"] = max_batch(loaded, method, cell["budget"], cell["context_length"], limit,
+                                                 cell["new_tokens"], probe=probe)
+                    row["memory_limit_gb"] = cell["memory_limit_gb"]
+                if "throughput" in cell["metrics"]:  # a whole job's samples per minute, at this batch and the largest
+                    row["samples_per_minute"] = samples_per_minute(
+                        loaded, method, cell["budget"], cell["context_length"], cell["batch_size"], cell["new_tokens"],
+                        bench.warmup, cell["repeats"], compile=compile_decode)
+                    largest = row.get("max_batch")
+                    if largest and largest != cell["batch_size"]:
+                        row["samples_per_minute_at_max_batch"] = samples_per_minute(
+                            loaded, method, cell["budget"], cell["context_length"], largest, cell["new_tokens"],
+                            bench.warmup, cell["repeats"], compile=compile_decode)
+                    elif largest:
+                        row["samples_per_minute_at_max_batch"] = row["samples_per_minute"]
                 row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
-                row.update(floor.fields(budget_bytes(loaded, Budget.full(), cell["context_length"],
-                                                     cell["batch_size"]), row.get("decode_ms_per_token")))
+                row["budget_kv_bytes"] = budget_bytes(loaded, cell["budget"], cell["context_length"],
+                                                      cell["batch_size"])
+                if row.get("resident_kv_bytes_decode_max") is not None:  # the budget once the generation is cached
+                    row["budget_kv_bytes_decode"] = budget_bytes(loaded, cell["budget"],
+                                                                 cell["context_length"] + cell["new_tokens"],
+                                                                 cell["batch_size"])
+                if "decode" in cell["metrics"]:
+                    row.update(floor.fields(row.get("resident_kv_bytes"), row.get("decode_ms_per_token")))
+                row["cell_seconds"] = round(time.perf_counter() - measuring, 2)  # warm-ups and compiles included
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 rows.append(row)
-                continue
-            method = methods.get((cell["method"], cell["budget"].label()))
-            if method is None:
-                continue
-            row = {**context, "method": cell["method"], "budget": cell["budget"].label(),
-                   "context_length": cell["context_length"], "batch_size": cell["batch_size"]}
-            if _cell_key(row) in done:
-                continue
-            log.info("measuring %s@%s, %d tokens, batch %d", row["method"], row["budget"], row["context_length"],
-                     row["batch_size"])
-            metrics = [m for m in cell["metrics"] if not (isolate and m == "memory")]
-            result = measure_cell(loaded, method, cell["budget"], cell["context_length"], cell["batch_size"],
-                                  metrics, cell["new_tokens"], bench.warmup, cell["repeats"],
-                                  baseline=fullkv if cell["paired"] else None,
-                                  warmup_new_tokens=bench.get("decode_warmup_tokens"), compile=compile_decode)
-            row.update(result.as_dict())
-            method_cfg = method_config(cell["config"], cell["overrides"])
-            if cell["config"] != cell["method"]:  # a named variant: what it is, in its row
-                row.update(method_config_name=cell["config"], method_overrides=cell["overrides"])
-            if isolate and "memory" in cell["metrics"]:
-                got = probe_in_subprocess(request(spec, method_cfg, row["budget"], cell["context_length"],
-                                                  cell["batch_size"], "prefill", seed=cfg.seed))
-                row["prefill_peak_bytes"] = got["peak_bytes"]
-                row["resident_kv_bytes"] = row.get("resident_kv_bytes") or got["resident_kv_bytes"]
-                row["memory_probe"] = "fresh process"
-            if "max_batch" in cell["metrics"]:
-                limit = int(cell["memory_limit_gb"] * 2**30)
-                probe = None
-                if isolate:
-                    def probe(batch, cell=cell, method_cfg=method_cfg, label=row["budget"]):
-                        return probe_in_subprocess(request(spec, method_cfg, label, cell["context_length"], batch,
-                                                           "generate", cell["new_tokens"], cfg.seed))["peak_bytes"]
-                row["max_batch"] = max_batch(loaded, method, cell["budget"], cell["context_length"], limit,
-                                             cell["new_tokens"], probe=probe)
-                row["memory_limit_gb"] = cell["memory_limit_gb"]
-            if "throughput" in cell["metrics"]:  # a whole job's samples per minute, at this batch and the largest
-                row["samples_per_minute"] = samples_per_minute(
-                    loaded, method, cell["budget"], cell["context_length"], cell["batch_size"], cell["new_tokens"],
-                    bench.warmup, cell["repeats"], compile=compile_decode)
-                largest = row.get("max_batch")
-                if largest and largest != cell["batch_size"]:
-                    row["samples_per_minute_at_max_batch"] = samples_per_minute(
-                        loaded, method, cell["budget"], cell["context_length"], largest, cell["new_tokens"],
-                        bench.warmup, cell["repeats"], compile=compile_decode)
-                elif largest:
-                    row["samples_per_minute_at_max_batch"] = row["samples_per_minute"]
-            row["kv_bytes_per_token"] = loaded.num_layers * loaded.num_kv_heads * loaded.kv_bytes_per_token()
-            row["budget_kv_bytes"] = budget_bytes(loaded, cell["budget"], cell["context_length"], cell["batch_size"])
-            if row.get("resident_kv_bytes_decode_max") is not None:  # the budget once the generation is in the cache
-                row["budget_kv_bytes_decode"] = budget_bytes(loaded, cell["budget"],
-                                                             cell["context_length"] + cell["new_tokens"],
-                                                             cell["batch_size"])
-            if "decode" in cell["metrics"]:
-                row.update(floor.fields(row.get("resident_kv_bytes"), row.get("decode_ms_per_token")))
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            rows.append(row)
+        except _Signalled as exc:  # the cell under way is lost; every stored one is judged below
+            stopped = exc.args[0]
+    rows = _read_store(store)  # everything stored (a row written as the signal came is in the file, maybe not in rows)
+    if stopped:
+        stored = {_cell_key(r) for r in rows}
+        left = [c for c in ordered if _cell_key(_base_row(c, context, peer_context)) not in stored]
+        log.warning("%s after %.0f s: %d of %d cells not measured (%s); judging the stored ones", stopped,
+                    time.perf_counter() - started, len(left), len(ordered),
+                    ", ".join(f"{c['method']}@{c['context_length']}x{c['batch_size']}" for c in left))
     rows = [r for r in rows if r["device"] == device and r["threads"] == context["threads"]]
     _write_csv(rows, out_dir / "cells.csv")
     verdicts = judge(rows, OmegaConf.to_container(bench.targets) if "targets" in bench else [], loaded)
@@ -310,6 +383,8 @@ def _run(cfg: DictConfig) -> list[dict[str, Any]]:
     plot_bench(rows, verdicts, out_dir, f"{spec.name} on {device.split(':')[0]} ({context['threads']} threads), "
                f"bench {bench.name}")
     print(f"\n{spec.name} on {device} ({context['threads']} threads), bench {bench.name}\n{table}\nresults: {out_dir}")
+    if stopped:
+        raise BenchStopped(f"{stopped}: the cells stored before it are judged in {out_dir}; the same command resumes")
     return rows
 
 
@@ -393,8 +468,14 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                               f"floor; metric must be decode_ms_per_token or decode_tokens_per_s, not {metric!r}")
         batches = target.get("batch_sizes")
         for method in target["methods"]:
-            for row in [r for r in rows if r["method"] == method and r["context_length"] == length
-                        and (batches is None or r["batch_size"] in batches)]:
+            matching = [r for r in rows if r["method"] == method and r["context_length"] == length
+                        and (batches is None or r["batch_size"] in batches)]
+            for batch in [b for b in batches or [None] if not any(b in (None, r["batch_size"]) for r in matching)]:
+                # a target's cell that no row holds (a bench stopped early, a method skipped): said, not left out
+                verdicts.append({"target": target["name"], "metric": metric, "method": method, "budget": "-",
+                                 "context_length": length, "batch_size": batch, "value": None, "ratio": None,
+                                 "bound": "-", "ok": None, "note": "not measured"})
+            for row in matching:
                 verdict = {"target": target["name"], "metric": metric, "method": method, "budget": row["budget"],
                            "context_length": length, "batch_size": row["batch_size"], "value": row.get(metric)}
                 if "max_floor_ratio" in target:  # decode time per step / the cell's floor (the same whichever metric)
@@ -465,9 +546,11 @@ def targets_markdown(verdicts: list[dict[str, Any]]) -> str:
         base = "-" if base is None else (f"{base:,.4g}" if isinstance(base, float) else f"{base:,}")
         if v.get("baseline") not in (None, "fullkv"):
             base = f"{v['baseline']} {base}"
-        ok = {True: "yes", False: "**NO**", None: "n/a"}[v["ok"]]
+        ok = "not measured" if v.get("note") == "not measured" else {True: "yes", False: "**NO**", None: "n/a"}[v["ok"]]
         ratio = "-" if v.get("ratio") is None else str(v["ratio"]) + (" (paired)" if v.get("paired") else "")
-        lines.append(f"| {v['target']} | {v['method']}@{v['budget']} | {v['batch_size']} | {value} | {base} | "
+        method = v["method"] if v["budget"] == "-" else f"{v['method']}@{v['budget']}"
+        batch = "-" if v["batch_size"] is None else v["batch_size"]
+        lines.append(f"| {v['target']} | {method} | {batch} | {value} | {base} | "
                      f"{ratio} | {v.get('bound', '= budget')} | {ok} |")
     if any(v.get("paired") for v in verdicts):
         lines.append("\n(paired): the method's prefill and FullKV's were timed alternately in the same cell; the "
