@@ -363,10 +363,22 @@ class CompressionSession:
         if needs:
             need = max(needs)
             slots = pool.marks[self._slot_mark] = max(need + -need % GROW_ROUND, pool.marks.get(self._slot_mark, 0))
+        # evicting layers whose capacities the method sets per layer from the prompt (D2O's allocation by attention
+        # variance: 109-141 entries per layer around a budget of 128, other ones for the next sample) would make each
+        # sample of a job a graph of its own: in a job (job_lengths), they share one count, the most any of them needs
+        # rounded up to GROW_ROUND (a few empty slots per layer; one graph for the job's samples)
+        evicting = [(held + extra, max(caps)) for idx, policy, caps, held, extra, _, differs in plans
+                    if policy.evict is not None and not differs and idx in self._method_index]
+        shared = None
+        if self.job_lengths is not None and len({cap for _, cap in evicting}) > 1:
+            shared = max(need for need, _ in evicting)
+            shared += -shared % GROW_ROUND
         for idx, policy, caps, held, extra, compresses, differs in plans:
             layer = self._layers[idx]
             if differs:
                 extra = slots - held
+            elif shared is not None and policy.evict is not None and idx in self._method_index:
+                extra = shared - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
             if compresses:
