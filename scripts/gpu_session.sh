@@ -69,6 +69,10 @@
 # And in a venv of torch 2.13.0+cpu, transformers 5.17.0, numpy, pandas and scipy alone (with what pip brings for them;
 # no psutil, accelerate, matplotlib): 85 s, every step passed; the install took hydra-core, omegaconf and antlr4 and
 # said that accelerate was left out for lack of psutil; no figures (no matplotlib).
+# Again 2026-11-28 at 32c730a with the default order, the same way: 116 s (install 1 s, bench:0 65 s, prefill 13 s,
+# bench 10 s: grid 0's cells resumed, check 21 s: 31/31 methods), every step passed, a 148 kB session.tgz. And cut:
+# KVBENCH_SESSION_STEPS=bench KVBENCH_SESSION_SECONDS=60 KVBENCH_BENCH_ARGS='bench.repeats=300': SIGTERM at 60 s,
+# "4 of 6 cells not measured", targets.md with the 2 stored cells judged and the others "not measured", 63 s in all.
 # On this project's lent GPU (the device tool's `run`, from the checkout's root; .kvbundle is ignored, so it is named
 # in carry; $OUT/session.tgz comes back):
 #   carry [".kvbundle"], timeout_s 600, command:
