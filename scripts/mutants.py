@@ -536,8 +536,8 @@ MUTANTS = [
            "candidate = slots.positions >= sinks",
            EDGES, "static sliding window: a freed slot's stale position is chosen and nothing leaves"),
     Mutant("h2o-static-window-edge", "h2o", "kvbench/methods/h2o.py",
-           "candidate = valid & (positions <= newest - policy.params[0])",
-           "candidate = valid & (positions < newest - policy.params[0])",
+           "candidate = valid & (positions <= newest - recent)",
+           "candidate = valid & (positions < newest - recent)",
            EDGES, "captured step: one entry more protected than the recent window"),
     Mutant("h2o-decode-window-edge", "h2o", "kvbench/methods/h2o.py",
            "layer.state[\"acc\"][..., : layer.num_entries - recent[0]].argmin(-1)",
@@ -681,8 +681,8 @@ MUTANTS = [
            "long(), 0, None).clamp(max=capacity - 1)",
            EDGES, "recent window: a small ratio protects no recent token"),
     Mutant("h2o-recent-half-up", "h2o", "kvbench/methods/h2o.py",
-           "torch.round(capacity * self.recent_ratio)",
-           "torch.floor(capacity * self.recent_ratio + 0.5)",
+           "torch.round(capacity * ratio)",
+           "torch.floor(capacity * ratio + 0.5)",
            EDGES, "recent window: halves rounded up instead of to even"),
 ]
 

@@ -105,7 +105,7 @@ class H2O(Method):
     def _recent(self, capacity: torch.Tensor) -> torch.Tensor:
         if self.variant in PREFILL_ONLY:
             return torch.full_like(capacity, self.window)
-        return torch.clamp(torch.round(capacity * self.recent_ratio).long(), 1, None).clamp(max=capacity - 1)
+        return recent_window(capacity, self.recent_ratio)
 
     def _scores(self, layer: KVLayer, acc: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
         rank = real_rank(layer)
@@ -168,7 +168,9 @@ class H2O(Method):
 
         if self.variant != "paper":
             return StaticPolicy()
-        return StaticPolicy(evict=static_evict, accumulate=True, params=(self._recent_host((capacity,))[0],))
+        # the recent window follows each row's capacity on the device (as ``_recent`` does in the eager path), so a
+        # prompt shorter than the budget (its capacity is its length) replays the same graph as any other
+        return StaticPolicy(evict=static_evict, accumulate=True, params=(self.recent_ratio,))
 
     def _recent_host(self, caps: tuple[int, ...]) -> list[int]:
         """``_recent`` of host capacities, with the same float32 arithmetic (computed on the CPU, once per value)."""
@@ -177,12 +179,21 @@ class H2O(Method):
         return self._recent_cache[caps]
 
 
+def recent_window(capacity: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The recent tokens the paper reading protects per row: ``round(capacity x ratio)``, at least 1 and at most
+    ``capacity - 1`` (one heavy hitter), in float32 as a tensor of capacities computes it (the eager and the captured
+    steps both)."""
+    return torch.clamp(torch.round(capacity * ratio).long(), 1, None).clamp(max=capacity - 1)
+
+
 def static_evict(slots, probs, policy) -> None:
     """H2O's decode step on a static layer (``engine.static.StaticPolicy.evict``): the entry with the lowest
-    accumulated attention outside the ``params[0]`` newest positions leaves."""
+    accumulated attention outside the newest ``round(capacity x params[0])`` positions (the recent ratio; at least 1,
+    at most capacity - 1, each row's capacity: ``recent_window``) leaves."""
     from kvbench.engine.static import evict_one
 
-    positions, valid = slots.positions, slots.valid
+    positions, valid, capacity = slots.positions, slots.valid, slots.capacity
+    recent = recent_window(capacity, policy.params[0])
     newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
-    candidate = valid & (positions <= newest - policy.params[0])
+    candidate = valid & (positions <= newest - recent)
     evict_one(valid, slots.acc.masked_fill(~candidate, float("inf")), slots.capacity)
