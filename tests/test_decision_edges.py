@@ -409,8 +409,8 @@ def test_quest_captured_pages_equal_the_eager_pages_across_a_page_boundary(t):
     keys[:, :, :t] = k
     valid = torch.zeros(1, 2, c, dtype=torch.bool)
     valid[..., :t] = True
-    slots = type("Slots", (), {"keys": keys, "valid": valid, "query": q})
-    attended = static_pages(slots, method.static_policy(12, layer_idx=2))
+    slots = type("Slots", (), {"keys": keys, "valid": valid, "query": q, "capacity": torch.full((1, 1, 1), 12)})
+    attended = static_pages(slots, method.static_policy(12, layer_idx=2))  # the page budget: the row's capacity
     assert [attended[0, h].nonzero().flatten().tolist() for h in range(2)] == [index[0, h].tolist() for h in range(2)]
 
 

@@ -7,9 +7,12 @@ again after another reallocated its buffers (on a GPU, a CUDA graph recorded aga
 the job's longest prompt and most new tokens (``CompressionSession(job_lengths=...)``, which the job runner reads
 off every sample of the job, its limit aside) every sample's layers take the count of the longest: one graph, one
 buffer. Evicting layers whose capacities the method sets per layer from the prompt (D2O) share one count in a job,
-the most any of them needs rounded up to 64, where each sample was a graph of its own; H2O's recent window follows
-each row's capacity in the step (a prompt under the budget made it a graph constant of its own). Pinned as counts and
-addresses, and the tokens stay the host-driven path's.
+the most any of them needs rounded up to 64, where each sample was a graph of its own, and so do all the layers of a
+method whose entry counts per layer or head follow the prompt's content (``Method.capacities_from_content``:
+DynamicKV, KVMerger, AdaKV: which layers exceed the budget's mean, or turn ragged, changed per sample). H2O's recent
+window and Quest's page budget follow each row's capacity in the step (a prompt under the budget made them graph
+constants of its own), and Quest's layers, which keep every entry, take the job's longest prompt. Pinned as counts
+and addresses, and the tokens stay the host-driven path's.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ def _job(model, name: str, budget: str, compile, job_lengths=None):
 
 
 @pytest.mark.parametrize(("name", "budget"), [("fullkv", "full"), ("snapkv", "256"), ("snapkv", "0.5"),
-                                              ("streamingllm", "256"), ("h2o", "256"), ("d2o", "128")])
+                                              ("streamingllm", "256"), ("h2o", "256"), ("d2o", "128"),
+                                              ("quest", "256"), ("dynamickv", "256"), ("kvmerger", "256"),
+                                              ("adakv", "256")])
 def test_a_jobs_samples_replay_one_graph_over_one_buffer(toy_llama, name, budget):
     eager, _ = _job(toy_llama, name, budget, False)
     captured, graphs = _job(toy_llama, name, budget, "eager", job_lengths=(max(LENGTHS), NEW))

@@ -273,13 +273,14 @@ class CompressionSession:
 
     def _job_slots(self, idx: int, policy: StaticPolicy, caps: list[int], compression) -> int | None:
         """The slots layer ``idx`` would take for the job's longest prompt and most new tokens (``job_lengths``): what
-        the layer keeps of that prompt (all of it where the method does not act on the layer) plus what the layer
-        appends, by the same rule as the sample's own count. None without job lengths. A sample whose layer needs
-        more (a per-layer allocation above the budget's mean) takes its own count, as without job lengths."""
+        the layer keeps of that prompt (all of it where the method does not act on the layer, or keeps every entry
+        resident and selects what to attend: ``compression == "attention"``, Quest) plus what the layer appends, by
+        the same rule as the sample's own count. None without job lengths. A sample whose layer needs more (a
+        per-layer allocation above the budget's mean) takes its own count, as without job lengths."""
         if self.job_lengths is None:
             return None
         longest, new_tokens = self.job_lengths
-        acts = idx in self._method_index and not self.budget.is_full
+        acts = idx in self._method_index and not self.budget.is_full and self.method.compression != "attention"
         held = self.budget.tokens_for(longest) if acts else longest
         return held + _extra_slots(policy, caps, held, compression, self.budget, max(self._reserve, new_tokens))
 
@@ -367,17 +368,26 @@ class CompressionSession:
         # variance: 109-141 entries per layer around a budget of 128, other ones for the next sample) would make each
         # sample of a job a graph of its own: in a job (job_lengths), they share one count, the most any of them needs
         # rounded up to GROW_ROUND (a few empty slots per layer; one graph for the job's samples)
+        # A method whose entry counts per layer (or per head) follow the prompt's content (``Method.
+        # capacities_from_content``: DynamicKV's votes, KVMerger's merges, AdaKV's heads) does the same over every
+        # layer it acts on, its layers of heads of their own lengths included: which layers exceed the budget's mean,
+        # and which become ragged, change from sample to sample (DynamicKV: a graph per sample of a job)
+        content = self.job_lengths is not None and self.method.capacities_from_content
         evicting = [(held + extra, max(caps)) for idx, policy, caps, held, extra, _, differs in plans
-                    if policy.evict is not None and not differs and idx in self._method_index]
+                    if (policy.evict is not None or content) and not differs and idx in self._method_index
+                    and not self.layer_specs[idx].sliding]
         shared = None
-        if self.job_lengths is not None and len({cap for _, cap in evicting}) > 1:
+        if self.job_lengths is not None and evicting and (content or len({cap for _, cap in evicting}) > 1):
             shared = max(need for need, _ in evicting)
             shared += -shared % GROW_ROUND
+            if content and needs:
+                shared = slots = max(shared, slots)
         for idx, policy, caps, held, extra, compresses, differs in plans:
             layer = self._layers[idx]
             if differs:
                 extra = slots - held
-            elif shared is not None and policy.evict is not None and idx in self._method_index:
+            elif shared is not None and (policy.evict is not None or content) and idx in self._method_index \
+                    and not self.layer_specs[idx].sliding:
                 extra = shared - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))

@@ -110,6 +110,7 @@ class AdaKV(ScorerWrapper):
     """
 
     name: ClassVar[str] = "adakv"
+    capacities_from_content: ClassVar[bool] = True
     alpha_safeguard: float = 0.2
     layout: str = "ragged"
     allocation: str = "official_code"

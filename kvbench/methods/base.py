@@ -80,6 +80,11 @@ class Method:
     #: than the prompt: methods that keep everything resident and select what to attend), or "none" (the method keeps
     #: and attends to everything by definition, FullKV; ``expected_compression`` may decide per instance and prompt)
     compression: ClassVar[str] = "none"
+    #: the entries each layer (or head) keeps follow the prompt's content, not only its length (DynamicKV's votes,
+    #: D2O's variance, KVMerger's merges, AdaKV's heads): in a captured decode of a job (``job_lengths``) the layers
+    #: the method acts on share one slot count, the most any of them needs rounded up to 64, so the job's samples
+    #: replay one graph (a few empty slots per layer, counted in the resident curve as every allocated slot is)
+    capacities_from_content: ClassVar[bool] = False
     #: question=after_compression / turns=N feed the question as a continued multi-token forward after the compressed
     #: prompt (queries attend the cache and each other causally, through ``decode``/``select``/``attend``); a method
     #: whose decode path is single-query by design (its own attention or selection per step) sets this False and

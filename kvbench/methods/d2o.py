@@ -103,6 +103,7 @@ class D2O(Method):
     """
 
     name: ClassVar[str] = "d2o"
+    capacities_from_content: ClassVar[bool] = True
     compression: ClassVar[str] = "prefill"
     needs_decode_probs: ClassVar[bool] = True
     beta: float | None = None

@@ -100,6 +100,7 @@ class DynamicKV(Method):
     """
 
     name: ClassVar[str] = "dynamickv"
+    capacities_from_content: ClassVar[bool] = True
     compression: ClassVar[str] = "prefill"
     window: int = 8
     kernel: int = 7

@@ -64,6 +64,7 @@ class KVMerger(Method):
     """
 
     name: ClassVar[str] = "kvmerger"
+    capacities_from_content: ClassVar[bool] = True
     compression: ClassVar[str] = "prefill"
     theta: float = 0.75
     recent_ratio: float | None = None

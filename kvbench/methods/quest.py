@@ -113,8 +113,9 @@ class Quest(Method):
 
         if layer_idx < self.dense_layers:
             return StaticPolicy()
-        return StaticPolicy(attend=static_pages, slot_multiple=self.page_size,
-                            params=(self.page_size, capacity // self.page_size, self.group_agg))
+        # the page budget is read from each row's capacity in the step (a prompt shorter than the budget, whose
+        # capacity is its length, replays the same graph as any other)
+        return StaticPolicy(attend=static_pages, slot_multiple=self.page_size, params=(self.page_size, self.group_agg))
 
     # ---- engine hook ---------------------------------------------------------------------------------------------
     def select(self, layer: KVLayer, ctx: DecodeContext) -> torch.Tensor | None:
@@ -146,13 +147,14 @@ def static_pages(slots, policy) -> torch.Tensor:
     the slots ``(B, Hkv, C)`` of the ``pages - 1`` complete-or-partial pages with the highest criticality bound
     ``Σ_c max(q_c m_c, q_c M_c)`` (``engine.scores.page_bounds``) among all but the newest entry's page, plus that
     page. Per-page key minima / maxima are recomputed from the slots (no state; one pass over the cache). With fewer
-    pages than ``pages`` every valid page is chosen (Quest's dense step). ``params``: (page size, pages, group
-    aggregation)."""
-    page_size, pages, group_agg = policy.params
+    pages than ``pages`` every valid page is chosen (Quest's dense step). ``pages``, the page budget, is each row's
+    ``capacity // page size`` (``Quest.select``'s), on the device: the ``pages - 1`` best of a full ranking of the
+    pages, so its value is no constant of the graph. ``params``: (page size, group aggregation)."""
+    page_size, group_agg = policy.params
     keys, valid, query = slots.keys, slots.valid, slots.query
     b, hkv, c, d = keys.shape
     p = c // page_size
-    pages = min(pages, p + 1)  # a page budget the slots can hold
+    pages = torch.clamp(slots.capacity // page_size, max=p + 1)  # (B, 1, 1): a page budget the slots can hold
     paged = keys.view(b, hkv, p, page_size, d)
     slot_valid = valid.view(b, hkv, p, page_size)
     empty = ~slot_valid.unsqueeze(-1)
@@ -163,6 +165,8 @@ def static_pages(slots, policy) -> torch.Tensor:
     last = (valid.sum(-1, keepdim=True) - 1) // page_size  # (B, Hkv, 1): the newest entry's page
     candidate = slot_valid.any(-1).scatter(-1, last, False)
     scores = scores.masked_fill(~candidate, float("-inf"))  # also the NaNs of empty pages' infinite bounds
-    chosen = torch.zeros_like(candidate).scatter(-1, torch.topk(scores, pages - 1, dim=-1).indices, True)
+    ranked = torch.topk(scores, p, dim=-1).indices  # every page, best first
+    best = torch.arange(p, device=scores.device) < pages - 1  # (B, 1, P): the row's first pages - 1 of the ranking
+    chosen = torch.zeros_like(candidate).scatter(-1, ranked, best.expand_as(ranked))
     chosen = chosen.scatter(-1, last, True)
     return valid & chosen.repeat_interleave(page_size, dim=-1)
