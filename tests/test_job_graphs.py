@@ -12,7 +12,8 @@ method whose entry counts per layer or head follow the prompt's content (``Metho
 DynamicKV, KVMerger, AdaKV: which layers exceed the budget's mean, or turn ragged, changed per sample). H2O's recent
 window and Quest's page budget follow each row's capacity in the step (a prompt under the budget made them graph
 constants of its own), and Quest's layers, which keep every entry, take the job's longest prompt. Pinned as counts
-and addresses, and the tokens stay the host-driven path's.
+and addresses; the tokens, the final resident bytes and the resident curve stay the host-driven path's (the slots a
+short prompt's layers take for the job's longest are layout, not memory the method keeps).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def _job(model, name: str, budget: str, compile, job_lengths=None):
     out = []
     for seed, n in enumerate(LENGTHS):
         with CompressionSession(model, method, b, compile=compile, job_lengths=job_lengths) as session:
-            tokens = greedy_generate(model, [_prompt(n, seed)], NEW, [], 0).tokens
+            gen = greedy_generate(model, [_prompt(n, seed)], NEW, [], 0)
         keys = slot_pool(model)._held.get((0, "keys")) if compile else None
-        out.append((tokens, None if keys is None else (keys.shape[-2], keys.data_ptr()), session))
+        memory = (gen.resident_kv_bytes_final, session.stats.resident_curve)
+        out.append((gen.tokens, None if keys is None else (keys.shape[-2], keys.data_ptr()), memory))
     return out, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
 
 
@@ -62,12 +64,15 @@ def test_a_jobs_samples_replay_one_graph_over_one_buffer(toy_llama, name, budget
     captured, graphs = _job(toy_llama, name, budget, "eager", job_lengths=(max(LENGTHS), NEW))
     assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
     assert len({slots for _, slots, _ in captured}) == 1  # one slot count and one address for the whole job
+    # each sample's memory is the entries it holds, as on the host-driven path: not the job's longest prompt's slots
+    assert [m for _, _, m in captured] == [m for _, _, m in eager]
     assert graphs <= 1  # (0 where an earlier test of this process compiled the same count, or nothing compiles)
 
 
 def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):
     from kvbench.engine import graph
 
+    torch._dynamo.reset()  # graphs of these counts an earlier test of this worker compiled would be reused, not counted
     captured, graphs = _job(toy_llama, "fullkv", "full", "eager")
     counts = [slots for _, (slots, _), _ in captured]
     assert counts == [512, 1024, 256, 768]  # what a job paid before job_lengths: a graph per count

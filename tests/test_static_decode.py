@@ -66,9 +66,10 @@ def test_static_decode_equals_the_default_path(toy_llama, method):
     static, static_session = _generate(toy_llama, method, budget, "eager", [_prompt()])
     assert static.tokens == eager.tokens
     assert static_session.stats.attended_tokens_mean == pytest.approx(eager_session.stats.attended_tokens_mean)
-    # one slot per layer and head more than what the default path holds at the end: the step's own token's slot
-    # (evicting methods) or the unused reserve (others); allocated bytes are what is reported
-    assert static.resident_kv_bytes_final >= eager.resident_kv_bytes_final
+    # the entries held, as the default path holds them (not the slots: the step's own token's slot of evicting
+    # methods, the unused reserve of the others, the bucket's and the job's sizing are the captured step's layout)
+    assert static.resident_kv_bytes_final == eager.resident_kv_bytes_final
+    assert static_session.stats.resident_curve == eager_session.stats.resident_curve
 
 
 @pytest.fixture(scope="session")
@@ -253,6 +254,7 @@ def test_a_batch_of_three_runs_in_the_bucket_of_four(toy_llama, method):
     assert static.tokens == eager.tokens
     assert all(session._layers[i].keys.shape[0] == 3 for i in session._layers)
     assert static.resident_kv_bytes_final == sum(session._layers[i].resident_bytes() for i in session._layers)
+    assert static.resident_kv_bytes_final == eager.resident_kv_bytes_final  # three rows' entries, not the bucket's
 
 
 D2O_FIELDS = [{}, {"similarity_feature": "key_value", "merge_score": "add"},

@@ -147,6 +147,8 @@ class CompressionSession:
         self._attended_acc: torch.Tensor | None = None  # their attended entries, summed on the device
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
         self._row_bases: dict[tuple, torch.Tensor] = {}  # capacities and selections at the batch bucket's rows
+        #: static layer -> (decode step it turned static at, entries it held then, the most it holds or None)
+        self._occupancy: dict[int, tuple[int, int, int | None]] = {}
         self._chosen: dict[int, torch.Tensor] = {}  # a selection shared between layers, by its writer (OmniKV's filter)
         self._static_pending = False  # engine.compile: the layers become static after this decode step
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
@@ -318,6 +320,7 @@ class CompressionSession:
         from kvbench.engine.graph import bucket
 
         self._static.clear()
+        self._occupancy.clear()
         self._chosen.clear()
         self._row_bases.clear()
         self._static_pending = False
@@ -327,7 +330,7 @@ class CompressionSession:
         rows = bucket(b)  # every buffer at the captured step's batch bucket, allocated once
         # a layer's slot count follows the prompt's length where the prompt is not compressed to a fixed size (FullKV,
         # ratio budgets, prompts within the budget): each count would be a graph of its own (a recompile per sample of
-        # a LongBench job), so such counts are rounded up to SLOT_ROUND; the empty slots count in the resident bytes
+        # a LongBench job), so such counts are rounded up to SLOT_ROUND; the empty slots are layout, not resident bytes
         lens = self.stats.prompt_lens or [0]
         varies = self.budget.is_full or self.budget.kind == "ratio" or \
             any(self.budget.tokens_for(n) >= n for n in lens)
@@ -398,6 +401,10 @@ class CompressionSession:
                 chosen = pool.take(("chosen", source), (rows, 1, width), torch.bool, device)
                 self._chosen[source] = self._row_base(("chosen", source), chosen.zero_(), b)
             self._cache.layers[idx] = self._layers[idx] = static
+            # the entries it holds from here on (``_record_resident``): one more per step, at most the capacity where
+            # its step evicts (a row above its capacity, D2O's never-compressed ones: what it holds)
+            self._occupancy[idx] = (self._decode_step, held, None if policy.evict is None else max(max(caps), held))
+            static.entries = held
             capacity = pool.take(("capacity", idx), (rows, 1, 1), torch.long, device)
             capacity[:b].copy_(torch.tensor(caps, device=device).view(-1, 1, 1))
             self._static[idx] = (policy, self._row_base(("capacity", idx), capacity, b))
@@ -589,8 +596,9 @@ class CompressionSession:
         if self._captured_compression is not None:  # the slots in use, and the compression closing the block
             self._captured_steps_done(steps)
             return
-        self._decode_step += steps
-        self._record_resident(self._decode_step)  # the static layers' slots (fixed while captured)
+        for _ in range(steps):  # each step's point (host ints): a layer that fills to its capacity mid-block
+            self._decode_step += 1
+            self._record_resident(self._decode_step)
 
     def captured_attend(self, module, query, key, value, **kwargs):
         """A layer of the captured step: the step's key/value into a free slot, then the layer's static step. Pure
@@ -847,11 +855,26 @@ class CompressionSession:
             self._to_static()
 
     def _record_resident(self, step: int) -> None:
-        """The resident curve's point at ``step`` (host ints: the layers' lengths, no device read)."""
-        layers = [self._layers.get(i) for i in sorted(self._attention_layers)]
+        """The resident curve's point at ``step`` (host ints: the layers' lengths, no device read). A static layer
+        counts the entries it holds, as the host-driven path's layer does (not its slots, which follow the batch
+        bucket and the job's longest prompt): what it held when it turned static plus one per step since, at most its
+        capacity where its step evicts (``_occupancy``); a layer compressed during decode, its slots in use."""
+        counts = []
         fill = self._captured_compression.fill if self._captured_compression is not None else {}
-        counts = [fill.get(i, layer.num_entries) for i, layer in zip(sorted(self._attention_layers), layers)
-                  if layer is not None]
+        for i in sorted(self._attention_layers):
+            layer = self._layers.get(i)
+            if layer is None:
+                continue
+            if i in fill:
+                count = fill[i]
+            elif i in self._static and i in self._occupancy:
+                start, held, limit = self._occupancy[i]
+                count = held + step - start if limit is None else min(held + step - start, limit)
+            else:
+                count = layer.num_entries
+            if i in self._static:
+                layer.entries = count  # its resident bytes (StaticKVLayer.resident_bytes)
+            counts.append(count)
         if counts:
             mean = sum(counts) / len(counts)
             self.stats.add_resident_point(step, int(mean) if float(mean).is_integer() else round(mean, 2))

@@ -326,13 +326,18 @@ class StaticKVLayer(KVLayer):
         self.positions.scatter_(-1, self.last_slot, positions.expand_as(self.last_slot))
 
     def resident_bytes(self) -> int:
-        """Every slot is allocated, occupied or not: the honest number for a fixed-capacity cache. A layer made from a
-        ragged one (heads keeping different numbers) counts the entries its heads hold, as the ragged layer did: the
-        padding to the longest head is the captured step's working layout, as a batch bucket's extra rows are."""
+        """The bytes of the entries the layer holds, as the host-driven path's layer holds them: ``entries`` (the
+        session's host count of its longest (row, head), ``CompressionSession._record_resident``) per row and head.
+        Its empty slots are the captured step's working layout (sized for the batch bucket, the job's longest prompt
+        and the generation's new tokens), as a bucket's extra rows are: what a method keeps is the same whichever path
+        decodes it. A layer made from a ragged one (heads keeping different numbers) counts the entries its heads
+        hold, as the ragged layer did. Without a count (a layer built outside a session): every slot."""
+        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
         if getattr(self, "kept_bytes_only", False):
-            per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * \
-                self.values.element_size()
             return int(self.valid.sum()) * per_entry
+        entries = getattr(self, "entries", None)
+        if entries is not None:
+            return self.keys.shape[0] * self.keys.shape[1] * entries * per_entry
         return super().resident_bytes()
 
     def valid_counts(self) -> torch.Tensor:

@@ -92,7 +92,8 @@ def plan_job(cfg: DictConfig) -> Job:
         "position_mode": cfg.position_mode,
         # the default (auto) is left out of the key: results stored before the option existed keep their hash
         **({"sliding_layers": sliding_layers} if sliding_layers != "auto" else {}),
-        # the captured decode's fixed-capacity layers hold other bytes (one slot more per layer, rounded slot counts)
+        # the captured decode: other kernels over fixed-capacity layers (in bf16 its tokens may part from the
+        # host-driven path's after the first few; its bytes and resident curve are the same: entries, not slots)
         **({"engine_compile": True} if decode == "graph" else {}),
         # left out at their defaults (with_context, one turn): results stored before the options existed keep their hash
         **({"question": question} if question != "with_context" else {}),

@@ -83,7 +83,7 @@ class Method:
     #: the entries each layer (or head) keeps follow the prompt's content, not only its length (DynamicKV's votes,
     #: D2O's variance, KVMerger's merges, AdaKV's heads): in a captured decode of a job (``job_lengths``) the layers
     #: the method acts on share one slot count, the most any of them needs rounded up to 64, so the job's samples
-    #: replay one graph (a few empty slots per layer, counted in the resident curve as every allocated slot is)
+    #: replay one graph (a few empty slots per layer: layout, not resident bytes, which count the entries held)
     capacities_from_content: ClassVar[bool] = False
     #: question=after_compression / turns=N feed the question as a continued multi-token forward after the compressed
     #: prompt (queries attend the cache and each other causally, through ``decode``/``select``/``attend``); a method
