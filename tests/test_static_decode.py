@@ -348,3 +348,25 @@ def test_methods_without_a_static_step_are_refused(toy_llama, method, fields):
         with CompressionSession(toy_llama, m, b, compile="eager"):
             pass
     assert m.static_refusal() in str(refused.value)
+
+
+@pytest.mark.parametrize("method", ["fullkv", "h2o"])
+def test_the_steps_run_past_the_end_are_not_the_generations(toy_llama, method):
+    """The captured loop reads the chosen ids every 16 steps, so it runs up to 15 decode steps past the step where
+    every row ended (their ids are dropped, and the timing counts them: they ran). The memory a record reports is the
+    generation's: the resident curve and the final bytes stop where the host-driven path stopped."""
+    b = Budget.parse(None if method == "fullkv" else 64)
+    free, _ = _generate(toy_llama, method, b.label(), False, [_prompt()], new=40)
+    tokens = free.tokens[0]
+    eos = next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])  # ends the row at step 5 or later
+    runs = {}
+    for compile in (False, "eager"):
+        with CompressionSession(toy_llama, build_method({"name": method}, b), b, compile=compile) as session:
+            out = greedy_generate(toy_llama, [_prompt()], 40, [eos], 0)
+        runs[compile] = (out, session.stats.resident_curve)
+    (eager, eager_curve), (captured, captured_curve) = runs[False], runs["eager"]
+    assert captured.tokens == eager.tokens and len(eager.tokens[0]) < 20
+    if graph.STATUS.get("captured"):  # (torch 2.6 with transformers 5.6 runs the step uncompiled: nothing runs past)
+        assert captured.decode_steps > eager.decode_steps
+    assert captured_curve == eager_curve
+    assert captured.resident_kv_bytes_final == eager.resident_kv_bytes_final

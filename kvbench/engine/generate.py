@@ -39,17 +39,20 @@ def _sync(device: torch.device) -> None:
 
 def _by_columns(take: Callable[[list[int]], None], done: list[bool], first: int, max_new_tokens: int):
     """The host-driven loop's per-step handling (``take``) over blocks of steps ``(rows, k)`` from the captured loop,
-    step ``first`` first: True once every row ended or the last allowed step was taken (later ids are dropped)."""
+    step ``first`` first: True once every row ended or the last allowed step was taken (later ids are dropped).
+    ``take_columns.ended`` is then that step: the decode forwards the host-driven loop would have run."""
     index = [first]
 
     def take_columns(columns: list[list[int]]) -> bool:
         for j in range(len(columns[0])):
             take([row[j] for row in columns])
             if all(done) or index[0] == max_new_tokens - 1:
+                take_columns.ended = index[0]
                 return True
             index[0] += 1
         return False
 
+    take_columns.ended = None
     return take_columns
 
 
@@ -126,9 +129,11 @@ def greedy_generate(
             # every later step is one captured step (engine/graph.py); the host reads the chosen ids every few steps
             from kvbench.engine.graph import captured_generate
 
-            steps += captured_generate(session, model, next_token, last_pos, max_new_tokens - 1 - step,
-                                       _by_columns(take, done, step + 1, max_new_tokens), sampling=sampling,
-                                       streams=streams)
+            by_columns = _by_columns(take, done, step + 1, max_new_tokens)
+            steps += captured_generate(session, model, next_token, last_pos, max_new_tokens - 1 - step, by_columns,
+                                       sampling=sampling, streams=streams)
+            if by_columns.ended is not None:  # the steps run past it (read every few steps) are not the generation's
+                session.generation_ended(by_columns.ended)
             break
         last_pos = last_pos + 1
         mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=-1)

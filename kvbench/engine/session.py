@@ -600,6 +600,26 @@ class CompressionSession:
             self._decode_step += 1
             self._record_resident(self._decode_step)
 
+    def generation_ended(self, steps: int) -> None:
+        """The generation ended after ``steps`` decode forwards, where the captured loop, which reads the chosen ids
+        every few steps, ran a few more past the last row's end (their ids are dropped). The resident curve and the
+        static layers' counts (the final resident bytes) are cut back to that step, as the host-driven path ended
+        there; a layer compressed during decode keeps what it holds (a compression in the extra steps is done)."""
+        curve = self.stats.resident_curve
+        if not curve or curve[-1][0] <= steps:
+            return
+        after = next(i for i, (step, _) in enumerate(curve) if step > steps)
+        (s0, e0), (s1, e1) = curve[after - 1], curve[after]
+        entries = e0 + (e1 - e0) * (steps - s0) / (s1 - s0)  # the curve is linear between its points
+        del curve[after:]
+        if curve[-1][0] < steps:
+            self.stats.add_resident_point(steps, int(entries) if float(entries).is_integer() else round(entries, 2))
+        fill = self._captured_compression.fill if self._captured_compression is not None else {}
+        for idx, (start, held, limit) in self._occupancy.items():
+            if idx in self._static and idx not in fill:
+                count = held + max(steps - start, 0)
+                self._layers[idx].entries = count if limit is None else min(count, limit)
+
     def captured_attend(self, module, query, key, value, **kwargs):
         """A layer of the captured step: the step's key/value into a free slot, then the layer's static step. Pure
         tensor code; every tensor it writes was allocated before the first step."""
