@@ -376,12 +376,12 @@ class CompressionSession:
         # layer it acts on, its layers of heads of their own lengths included: which layers exceed the budget's mean,
         # and which become ragged, change from sample to sample (DynamicKV: a graph per sample of a job)
         content = self.job_lengths is not None and self.method.capacities_from_content
-        evicting = [(held + extra, max(caps)) for idx, policy, caps, held, extra, _, differs in plans
-                    if (policy.evict is not None or content) and not differs and idx in self._method_index
-                    and not self.layer_specs[idx].sliding]
+        sharing = {idx: (held + extra, max(caps)) for idx, policy, caps, held, extra, _, differs in plans
+                   if (policy.evict is not None or content) and not differs and idx in self._method_index
+                   and not self.layer_specs[idx].sliding}
         shared = None
-        if self.job_lengths is not None and evicting and (content or len({cap for _, cap in evicting}) > 1):
-            shared = max(need for need, _ in evicting)
+        if self.job_lengths is not None and sharing and (content or len({cap for _, cap in sharing.values()}) > 1):
+            shared = max(need for need, _ in sharing.values())
             shared += -shared % GROW_ROUND
             if content and needs:
                 shared = slots = max(shared, slots)
@@ -389,8 +389,7 @@ class CompressionSession:
             layer = self._layers[idx]
             if differs:
                 extra = slots - held
-            elif shared is not None and (policy.evict is not None or content) and idx in self._method_index \
-                    and not self.layer_specs[idx].sliding:
+            elif shared is not None and idx in sharing:
                 extra = shared - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
@@ -615,10 +614,16 @@ class CompressionSession:
         if curve[-1][0] < steps:
             self.stats.add_resident_point(steps, int(entries) if float(entries).is_integer() else round(entries, 2))
         fill = self._captured_compression.fill if self._captured_compression is not None else {}
-        for idx, (start, held, limit) in self._occupancy.items():
+        for idx in self._occupancy:
             if idx in self._static and idx not in fill:
-                count = held + max(steps - start, 0)
-                self._layers[idx].entries = count if limit is None else min(count, limit)
+                self._layers[idx].entries = self._static_entries(idx, steps)
+
+    def _static_entries(self, idx: int, step: int) -> int:
+        """The entries static layer ``idx`` holds after decode step ``step`` (``_occupancy``: what it held when it
+        turned static, one more per step since, at most its capacity where its step evicts)."""
+        start, held, limit = self._occupancy[idx]
+        count = held + max(step - start, 0)
+        return count if limit is None else min(count, limit)
 
     def captured_attend(self, module, query, key, value, **kwargs):
         """A layer of the captured step: the step's key/value into a free slot, then the layer's static step. Pure
@@ -888,8 +893,7 @@ class CompressionSession:
             if i in fill:
                 count = fill[i]
             elif i in self._static and i in self._occupancy:
-                start, held, limit = self._occupancy[i]
-                count = held + step - start if limit is None else min(held + step - start, limit)
+                count = self._static_entries(i, step)
             else:
                 count = layer.num_entries
             if i in self._static:
