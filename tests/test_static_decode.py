@@ -20,10 +20,13 @@ from kvbench.methods import build_method
 
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
-          "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv"]
+          "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
-FIELDS = {"omnikv": {"filter_layers": [0]}, "adakv": {"layout": "padded"}}
+#: ThinK's keys keep half their channels: its default inner SnapKV (no probabilities: the fused kernel over the kept
+#: channels) and H2O (probabilities accumulated and an eviction every step over them)
+FIELDS = {"omnikv": {"filter_layers": [0]}, "adakv": {"layout": "padded"},
+          "think+h2o": {"name": "think", "inner": {"name": "h2o"}}}
 
 
 def _prompt(n=200, seed=1):
@@ -176,7 +179,7 @@ def test_the_host_driven_path_is_not_captured(toy_llama, monkeypatch):
     assert counters["stats"]["unique_graphs"] == 0
 
 
-@pytest.mark.parametrize("method", ["fullkv", "h2o", "d2o", "omnikv", "quest"])
+@pytest.mark.parametrize("method", ["fullkv", "h2o", "d2o", "omnikv", "quest", "think+h2o"])
 def test_the_captured_step_writes_static_addresses_only(toy_llama, method):
     """Every tensor the captured step mutates (slots, positions, validity, the method's per-entry and per-row state,
     the step's token / position / output buffers) is allocated before the first captured step, marked a static
@@ -222,10 +225,11 @@ def test_no_host_read_inside_a_captured_step(toy_llama, monkeypatch, capturable)
 
     real_read = graph.read_chosen
     monkeypatch.setattr(graph, "read_chosen", lambda *a: reads.append(a[2:]) or real_read(*a))
-    for method in ("h2o", "d2o", "quest"):
+    for method in ("h2o", "d2o", "quest", "think+h2o"):
         graphs.clear(), reads.clear()
         b = Budget.parse(64)
-        with CompressionSession(toy_llama, build_method({"name": method}, b), b, compile=recorder):
+        with CompressionSession(toy_llama, build_method({"name": method, **FIELDS.get(method, {})}, b), b,
+                                compile=recorder):
             out = greedy_generate(toy_llama, [_prompt()], 50, [], 0)
         assert out.decode_steps == 49 and len(graphs) == 1
         names = {str(getattr(n.target, "__name__", n.target)) for n in graphs[0].graph.nodes}
@@ -243,7 +247,7 @@ def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
     assert both.tokens[0] == alone[0]
 
 
-@pytest.mark.parametrize("method", ["fullkv", "snapkv", "h2o", "d2o", "tova", "streamingllm"])
+@pytest.mark.parametrize("method", ["fullkv", "snapkv", "h2o", "d2o", "tova", "streamingllm", "think"])
 def test_a_batch_of_three_runs_in_the_bucket_of_four(toy_llama, method):
     """Three left-padded rows decode in a bucket of four (the fourth repeats the third and is dropped): the tokens
     are the host-driven path's, and the reported bytes are three rows'."""
@@ -311,7 +315,7 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, rea
 
 
 NO_STATIC = [("cam", {}), ("roco", {}), ("sirllm", {}), ("pod", {}), ("infllm", {}), ("lminfinite", {}),
-             ("pyramidinfer", {}), ("kvzip", {}), ("think", {}),
+             ("pyramidinfer", {}), ("kvzip", {}), ("think", {"inner": {"name": "cam"}}),
              ("d2o", {"variant": "official_code", "bug_compat": True}),  # tau carried across samples
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
 

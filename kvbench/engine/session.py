@@ -516,7 +516,7 @@ class CompressionSession:
         policy, capacity = self._static[idx]
         chosen = self._chosen.get(policy.selection[0]) if policy.selection is not None else None
         slots = StepSlots(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity,
-                          layer.row_state, chosen, query, scaling, self.rope_inv_freq)
+                          layer.row_state, chosen, query, scaling, self.rope_inv_freq, layer.key_channels)
         return static_step(slots, policy)
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):

@@ -39,7 +39,9 @@ class StepSlots(NamedTuple):
     ``(B, Hkv, C, D)``, their ``positions`` and ``valid`` bits ``(B, Hkv, C)``, the method's accumulated scores ``acc``
     ``(B, Hkv, C)`` (or None), the layer's ``capacity`` ``(B, 1, 1)``, its per-row method state ``row_state``, a
     selection shared between layers ``chosen`` (or None), the step's post-RoPE ``query`` ``(B, Hq, 1, D)``, the
-    attention ``scaling`` and the model's RoPE frequencies ``rope_inv_freq`` (or None)."""
+    attention ``scaling``, the model's RoPE frequencies ``rope_inv_freq`` (or None) and, for a layer whose keys keep
+    fewer channels than its queries (ThinK), the channels they keep ``key_channels`` ``(B, Hkv, D_kept)`` (or None:
+    ``keys`` are then ``(B, Hkv, C, D_kept)``, ``values`` keep ``D``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -52,6 +54,7 @@ class StepSlots(NamedTuple):
     query: torch.Tensor
     scaling: float
     rope_inv_freq: torch.Tensor | None
+    key_channels: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,8 @@ class StaticKVLayer(KVLayer):
             acc = layer.state.get("acc", torch.zeros(b, h, n, device=device, dtype=torch.float32))
             new.state = {"acc": place("state.acc", acc.float())}
         new.row_state = {k: place(f"row_state.{k}", v, slots=False) for k, v in layer.row_state.items()}
+        if layer.key_channels is not None:  # keys keep these channels (ThinK): every step's key is stored with them
+            new.key_channels = place("key_channels", layer.key_channels, slots=False)
         new.seen, new.capacity = layer.seen, layer.capacity
         new.rope_pos = None
         new.last_slot = torch.zeros(b, h, 1, dtype=torch.long, device=device)
@@ -212,7 +217,7 @@ class StaticKVLayer(KVLayer):
         """Every tensor a decode step reads or writes in place: the slots, their positions and validity, the method's
         per-entry and per-row state."""
         return [self.keys, self.values, self.positions, self.valid, *self.state.values(), *self.row_state.values()] + \
-            ([] if self.fill is None else [self.fill])
+            ([] if self.fill is None else [self.fill]) + ([] if self.key_channels is None else [self.key_channels])
 
     def _views(self) -> list[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]:
         """Each buffer of the bucket's rows, and how to make the layer hold a view of it."""
@@ -262,14 +267,15 @@ class StaticKVLayer(KVLayer):
             rep = self.keys.shape[1] // key_states.shape[1]
             key_states = key_states.repeat_interleave(rep, dim=1)
             value_states = value_states.repeat_interleave(rep, dim=1)
+        if self.key_channels is not None:  # a channel-pruned layer (ThinK) stores every key with its kept channels
+            key_states = self._select_channels(key_states)
         if self.fill is None:
             slot = torch.argmax((~self.valid).to(torch.int8), dim=-1, keepdim=True)  # (B, H, 1): the first free slot
         else:  # after the entries the eager layer would hold (invalid slots among them stay where they are)
             slot = self.fill.view(1, 1, 1).expand(*self.valid.shape[:2], 1).clone()  # not a view of what moves on
             self.fill.add_(1)
-        index = slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1])
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
+        self.keys.scatter_(2, slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1]), key_states)
+        self.values.scatter_(2, slot.unsqueeze(-1).expand(*slot.shape, self.values.shape[-1]), value_states)
         at = positions.view(-1, 1, 1).expand_as(slot) if isinstance(positions, torch.Tensor) else \
             torch.full_like(slot, positions)
         self.positions.scatter_(-1, slot, at)
@@ -354,9 +360,12 @@ def static_step(slots: StepSlots, policy: StaticPolicy) -> tuple[torch.Tensor, t
     ``(B, 1, Hq, D)`` and the entries attended per (row, head), a device scalar (before the eviction: the victim was
     attended). Pure tensor code without host reads or data-dependent shapes: run inside the captured step."""
     keys, values, valid, query = slots.keys, slots.values, slots.valid, slots.query
-    b, hq, q, d = query.shape
-    hkv, c = keys.shape[1], keys.shape[2]
-    qg = query.view(b, hkv, hq // hkv, q, d)
+    b, hq, q, _ = query.shape
+    hkv, c, d = keys.shape[1], keys.shape[2], values.shape[-1]
+    qg = query.view(b, hkv, hq // hkv, q, query.shape[-1])
+    if slots.key_channels is not None:  # channel-pruned keys (ThinK): q.k over the kept channels, the same scale
+        kept = slots.key_channels.shape[-1]
+        qg = torch.gather(qg, -1, slots.key_channels.view(b, hkv, 1, 1, kept).expand(b, hkv, hq // hkv, q, kept))
     attended = policy.attend(slots, policy) if policy.attend is not None else valid
     if policy.choose is not None:
         policy.choose(slots, policy)
@@ -368,7 +377,8 @@ def static_step(slots: StepSlots, policy: StaticPolicy) -> tuple[torch.Tensor, t
     else:  # no probabilities needed: the fused kernel (SDPA; the GQA group's queries as the query axis of their KV
         # head, so nothing is repeated and no (B, Hkv, g, 1, C) float32 probabilities exist)
         out = torch.nn.functional.scaled_dot_product_attention(
-            qg.reshape(b, hkv, -1, d), keys, values, attn_mask=attended.view(b, hkv, 1, c), scale=slots.scaling,
+            qg.reshape(b, hkv, -1, qg.shape[-1]), keys, values, attn_mask=attended.view(b, hkv, 1, c),
+            scale=slots.scaling,
         ).reshape(b, hq, q, d)
         probs = None
     if policy.accumulate:

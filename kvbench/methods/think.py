@@ -109,6 +109,17 @@ class ThinK(Method):
         if cls.attend is not Method.attend or cls.select is not Method.select:
             raise ConfigError(f"method 'think': inner={name!r} computes its own decode attention over full keys; "
                               "ThinK composes with methods that evict tokens")
+        # what the composition does not forward, refused here (before any model loads) rather than failing mid-prefill
+        # or leaving the inner method's work undone
+        if self._inner.ragged_cache():
+            raise ConfigError(f"method 'think': inner={name!r} with layout=ragged holds each head's entries flat, "
+                              f"whose key channels cannot be pruned; use method.inner.layout=padded")
+        if cls.needs_reconstruction:
+            raise ConfigError(f"method 'think': inner={name!r} scores the prompt with forwards after prefill, which "
+                              "ThinK does not compose with; ThinK composes with methods that evict tokens")
+        if cls.acts_after_decode_forward():
+            raise ConfigError(f"method 'think': inner={name!r} compresses across layers after each decode forward, "
+                              "which ThinK does not compose with; ThinK composes with methods that evict tokens")
         self._window_queries: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     # ---- what the inner method decides -------------------------------------------------------------------------
@@ -146,12 +157,20 @@ class ThinK(Method):
     def expected_key_channels(self, head_dim: int) -> int | None:
         return head_dim - int(head_dim * self.key_channel_compression_ratio)
 
-    def static_policy(self, capacity: int):
-        return None  # engine.compile's static layers hold full-width keys
+    @property
+    def capacities_from_content(self) -> bool:
+        return self._inner.capacities_from_content
+
+    def static_after_first_step(self) -> bool:
+        return self._inner.static_after_first_step()
+
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """The inner method's step: the captured step's layers hold the kept key channels (``StaticKVLayer``'s
+        ``key_channels``), store every step's key with them and gather each query to them, as the default path does."""
+        return self._inner.static_policy(capacity, layer_idx)
 
     def static_refusal(self) -> str:
-        return ("its keys keep fewer channels than its queries (the static step attends full-width keys; a per-head "
-                "channel gather of the query is not written in static form)")
+        return f"its inner method {self.inner['name']!r} has no static step: {self._inner.static_refusal()}"
 
     def budget_label(self, budget: Budget) -> str | None:
         return self._inner.budget_label(budget)
