@@ -93,3 +93,33 @@ def test_the_reasons_are_the_methods_own():
     source = inspect.getsource(plan_module._no_graph)
     for name in ("cam", "roco", "quest", "d2o", "omnikv"):
         assert f'"{name}"' not in source and f"'{name}'" not in source
+
+
+def _local_model(tmp_path, **config) -> str:
+    """A model directory holding only its config.json (a plan reads nothing else before loading)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "num_hidden_layers": 4, **config}))
+    return f"model.path={tmp_path}"
+
+
+def test_a_method_inside_sliding_windows_is_known_from_the_config_before_loading(tmp_path, on_cuda, caplog):
+    """A model whose every layer slides (Mistral v0.1's 4096 window: sliding_layers=auto lets methods act inside the
+    windows) cannot decode a method in the captured step: ``auto`` decodes host-driven with one line and ``graph``
+    is refused in one line, both from the model's config.json, before any weight loads (before: the session refused
+    after the model had loaded, naming engine.compile=true, which the user had not typed). FullKV, and a method
+    left outside the windows (sliding_layers=window) or on a model without windows, capture."""
+    sliding = _local_model(tmp_path, sliding_window=4096)
+    base = ("model=mistral-7b-instruct-v0.1", sliding)
+    with caplog.at_level(logging.INFO, logger="kvbench"):
+        job = plan_job(_cfg(*base, "method=snapkv"))
+    lines = [r.getMessage() for r in caplog.records if "engine.decode=auto" in r.getMessage()]
+    assert job.decode == "eager" and len(lines) == 1 and "slides on 4 of its 4 layers" in lines[0]
+    with pytest.raises(ConfigError, match="engine.decode=graph: model 'mistral-7b-instruct-v0.1' slides on 4 of its "
+                                          "4 layers and sliding_layers=auto") as refused:
+        plan_job(_cfg(*base, "method=snapkv", "engine.decode=graph"))
+    assert "\n" not in str(refused.value)
+    assert plan_job(_cfg(*base, "method=fullkv")).decode == "graph"
+    assert plan_job(_cfg(*base, "method=snapkv", "sliding_layers=window")).decode == "graph"
+    assert plan_job(_cfg("model=mistral-7b-instruct-v0.1", _local_model(tmp_path, sliding_window=None),
+                         "method=snapkv")).decode == "graph"

@@ -374,3 +374,60 @@ def test_the_steps_run_past_the_end_are_not_the_generations(toy_llama, method):
         assert captured.decode_steps > eager.decode_steps
     assert captured_curve == eager_curve
     assert captured.resident_kv_bytes_final == eager.resident_kv_bytes_final
+
+
+def _amplified(family: str):
+    """A tiny ``family`` model whose soft-cap (Gemma 2) and sink logits (GPT-OSS) move the attention visibly: the
+    random toy's logits are so small that a step without them parts from the model only in the fourth decimal."""
+    from helpers import tiny_family
+
+    model = tiny_family(family)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "attn_logit_softcapping", None):
+                module.attn_logit_softcapping = 2.0
+                module.q_proj.weight.mul_(40)
+            if getattr(module, "sinks", None) is not None:
+                module.sinks.mul_(3).add_(3)
+    return model
+
+
+
+def test_the_static_step_applies_the_layers_softcap_and_sinks():
+    """A layer's logit soft-cap (Gemma 2) and per-head sink logits (GPT-OSS) enter the captured step's attention and
+    the probabilities a method accumulates, as the host-driven path's ``grouped_attention`` applies them. Before, the
+    step dropped both (a GPT-OSS model's captured tokens parted from the default path's)."""
+    from kvbench.engine.attention import grouped_attention
+    from kvbench.engine.static import StaticPolicy, StepSlots, static_step
+
+    g = torch.Generator().manual_seed(0)
+    b, hkv, group, c, d = 2, 2, 2, 20, 8
+    keys, values = torch.randn(b, hkv, c, d, generator=g), torch.randn(b, hkv, c, d, generator=g)
+    query = 3 * torch.randn(b, hkv * group, 1, d, generator=g)  # logits of several units: the soft-cap bites
+    valid = torch.rand(b, hkv, c, generator=g) > 0.3
+    sinks = torch.randn(hkv * group, generator=g) + 2
+    for softcap, sink in [(2.0, None), (None, sinks), (1.5, sinks)]:
+        expected, probs = grouped_attention(query, keys, values, valid.unsqueeze(2), 0.5, softcap, sink)
+        for policy in (StaticPolicy(), StaticPolicy(accumulate=True)):
+            acc = torch.zeros(b, hkv, c)
+            slots = StepSlots(keys, values, torch.arange(c).expand(b, hkv, c), valid.clone(), acc,
+                              torch.full((b, 1, 1), c), {}, None, query, 0.5, None, None, softcap, sink)
+            out, _ = static_step(slots, policy)
+            torch.testing.assert_close(out, expected)
+            if policy.accumulate:
+                torch.testing.assert_close(acc, probs.sum(3).mean(2))
+
+
+@pytest.mark.parametrize(("family", "methods"), [("gemma2", ("fullkv", "h2o")), ("gpt_oss", ("fullkv", "h2o")),
+                                                 ("mistral", ("fullkv",))])
+def test_the_captured_step_decodes_as_the_default_path_on_other_families(family, methods, capturable):
+    """Gemma 2 (soft-cap, alternating windows), GPT-OSS (sinks, alternating windows) and Mistral (every layer slides:
+    FullKV keeps each layer's window; a method inside the windows is refused, test_decode_mode): the captured step's
+    tokens and bytes are the host-driven path's. The toys' soft-cap and sinks are made large enough to matter."""
+    model = _amplified(family)
+    for method in methods:
+        budget = None if method == "fullkv" else 64
+        eager, _ = _generate(model, method, budget, False, [_prompt(300)], new=24)
+        static, _ = _generate(model, method, budget, "eager", [_prompt(300)], new=24)
+        assert static.tokens == eager.tokens, method
+        assert static.resident_kv_bytes_final == eager.resident_kv_bytes_final, method

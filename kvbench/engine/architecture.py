@@ -64,6 +64,22 @@ def _config_window(config: Any, layer_idx: int) -> int | None:
     return int(window) if getattr(config, "model_type", None) in CONFIG_WIDE_WINDOW else None
 
 
+def config_sliding_layers(config: dict[str, Any]) -> list[int] | None:
+    """The layers a model slides on, read from its ``config.json`` dict alone (before any weight loads; a
+    multimodal config's ``text_config``), or None where it does not say how many layers it has. The session reads
+    the modules themselves and checks the reading against the mask the model builds."""
+    from types import SimpleNamespace
+
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if "model_type" not in text:
+        text = {**text, "model_type": config.get("model_type")}
+    layers = text.get("num_hidden_layers")
+    if not isinstance(layers, int):
+        return None
+    view = SimpleNamespace(**text)
+    return [i for i in range(layers) if _config_window(view, i) is not None]
+
+
 def layer_attention(config: Any, module: Any) -> LayerAttention:
     """The attention of ``module`` (an attention module with a ``layer_idx``) of a model with ``config``."""
     if hasattr(module, "sliding_window"):  # the module's own statement wins (None on full layers)

@@ -51,12 +51,12 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
             logits = logits.masked_fill(~mask.view(mask.shape[0], 1, -1, q, mask.shape[-1]), float("-inf"))
         else:
             logits = logits + mask.view(mask.shape[0], 1, -1, q, mask.shape[-1])
-    probs = _softmax(logits, s_aux, torch.float32).to(query.dtype)
+    probs = softmax_with_sinks(logits, s_aux, torch.float32).to(query.dtype)
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs, value).reshape(b, hq, q, d)
     return out.transpose(1, 2).contiguous(), probs.reshape(b, hq, q, -1)
 
 
-def _softmax(logits: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Softmax over the last dim of ``(B, Hkv, g, q, T)`` logits; with ``sinks`` ``(Hq,)`` a learned logit per query
     head joins the normalisation and is dropped afterwards (GPT-OSS's attention sinks)."""
     if sinks is None:
@@ -120,7 +120,7 @@ def grouped_attention(
         logits = torch.tanh(logits / softcap) * softcap
     if allowed is not None:
         logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
-    probs = _softmax(logits, sinks, torch.float32)
+    probs = softmax_with_sinks(logits, sinks, torch.float32)
     # values keep head_dim where a channel-pruned cache gave keys (and the gathered query) fewer channels (ThinK)
     out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, values.shape[-1])
     return out.transpose(1, 2).contiguous(), probs

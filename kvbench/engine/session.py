@@ -288,10 +288,10 @@ class CompressionSession:
 
     def _check_static(self) -> None:
         """Refuse a method without a static decode step (``Method.static_policy``), before any forward."""
-        if any(self.layer_specs[i].sliding for i in self.compressed):
+        if not self.budget.is_full and any(self.layer_specs[i].sliding for i in self.compressed):
             self.__exit__()
-            raise ConfigError("engine.compile=true does not run methods inside sliding windows (sliding_layers="
-                              f"{self.sliding_policy}); use sliding_layers=window or engine.compile=false")
+            raise ConfigError("engine.decode=graph does not run methods inside sliding windows (sliding_layers="
+                              f"{self.sliding_policy}); use sliding_layers=window or engine.decode=eager")
         if self._decode_compressor is not None:  # compressed on the host between blocks of captured steps
             refusal = graph_refusal(self.method, self._decode_compressor.spec, self.budget)
             if refusal is not None:
@@ -514,9 +514,11 @@ class CompressionSession:
         """One static layer's decode step (``engine.static.static_step``): the same function on the host-driven path
         (the first decode step) and inside the captured step."""
         policy, capacity = self._static[idx]
+        spec = self.layer_specs[idx]
         chosen = self._chosen.get(policy.selection[0]) if policy.selection is not None else None
         slots = StepSlots(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity,
-                          layer.row_state, chosen, query, scaling, self.rope_inv_freq, layer.key_channels)
+                          layer.row_state, chosen, query, scaling, self.rope_inv_freq, layer.key_channels,
+                          spec.softcap, spec.sinks)
         return static_step(slots, policy)
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvbench.engine.attention import softmax_with_sinks
 from kvbench.engine.cache import KVLayer
 
 
@@ -41,7 +42,8 @@ class StepSlots(NamedTuple):
     selection shared between layers ``chosen`` (or None), the step's post-RoPE ``query`` ``(B, Hq, 1, D)``, the
     attention ``scaling``, the model's RoPE frequencies ``rope_inv_freq`` (or None) and, for a layer whose keys keep
     fewer channels than its queries (ThinK), the channels they keep ``key_channels`` ``(B, Hkv, D_kept)`` (or None:
-    ``keys`` are then ``(B, Hkv, C, D_kept)``, ``values`` keep ``D``)."""
+    ``keys`` are then ``(B, Hkv, C, D_kept)``, ``values`` keep ``D``), and the layer's logit soft-cap ``softcap`` (Gemma
+    2) and per-query-head sink logits ``sinks`` ``(Hq,)`` (GPT-OSS), as the model's attention applies them (or None)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -55,6 +57,8 @@ class StepSlots(NamedTuple):
     scaling: float
     rope_inv_freq: torch.Tensor | None
     key_channels: torch.Tensor | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -369,10 +373,13 @@ def static_step(slots: StepSlots, policy: StaticPolicy) -> tuple[torch.Tensor, t
     attended = policy.attend(slots, policy) if policy.attend is not None else valid
     if policy.choose is not None:
         policy.choose(slots, policy)
-    if policy.needs_probs or policy.accumulate:
+    if policy.needs_probs or policy.accumulate or slots.softcap is not None or slots.sinks is not None:
+        # the model's soft-cap and sink logits as its eager attention applies them (the fused kernel has neither)
         logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * slots.scaling
+        if slots.softcap is not None:
+            logits = torch.tanh(logits / slots.softcap) * slots.softcap
         logits = logits.masked_fill(~attended.view(b, hkv, 1, 1, -1), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        probs = softmax_with_sinks(logits, slots.sinks, torch.float32)
         out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, q, d)
     else:  # no probabilities needed: the fused kernel (SDPA; the GQA group's queries as the query axis of their KV
         # head, so nothing is repeated and no (B, Hkv, g, 1, C) float32 probabilities exist)

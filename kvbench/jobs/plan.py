@@ -287,7 +287,7 @@ def resolve_decode(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec
         mode = "graph"
     if mode == "eager":
         return "eager"
-    why = _no_graph(cfg, method, budget, task, question)
+    why = _no_graph(cfg, method, budget, task, spec, question)
     if mode == "graph":
         if why is not None:
             setting, instead = ("engine.compile=true", "engine.compile=false") if compiled else \
@@ -304,7 +304,7 @@ def resolve_decode(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec
     return "graph"
 
 
-def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, question: str) -> str | None:
+def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec: Any, question: str) -> str | None:
     """Why this job's decode cannot be one captured step per token, or None."""
 
     if question != "with_context":
@@ -322,5 +322,30 @@ def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, question:
             return f"method {method.name!r} compresses during decode (decode_compression) and {refusal}"
     if not budget.is_full and not method.has_static_step():
         return f"method {method.name!r} has no captured decode step ({method.static_refusal()})"
+    if not budget.is_full:
+        return _sliding_refusal(cfg, spec)
     return None
+
+
+def _sliding_refusal(cfg: DictConfig, spec: Any) -> str | None:
+    """Why a method may not act inside the model's sliding windows in the captured step, read from the model's config
+    (``model_config``: from the hub only where the model runs on CUDA, as it is about to load there; a config this
+    machine cannot read leaves it to the session, which refuses when the model is loaded)."""
+    from kvbench.engine.architecture import LayerAttention, compressed_layers, config_sliding_layers, resolve_policy
+    from kvbench.models import resolve_device
+    from kvbench.models.loading import model_config
+
+    config = model_config(spec, network=resolve_device(spec.device) == "cuda")
+    sliding = config_sliding_layers(config) if config is not None else None
+    if not sliding:
+        return None
+    total = (config.get("text_config") or config).get("num_hidden_layers", 0)
+    specs = {i: LayerAttention(window=1 if i in sliding else None) for i in range(total)}
+    policy = cfg.get("sliding_layers", "auto")
+    inside = [i for i in compressed_layers(specs, resolve_policy(policy, specs)) if i in sliding]
+    if not inside:
+        return None
+    return (f"model {spec.name!r} slides on {len(sliding)} of its {total} layers and sliding_layers={policy} lets "
+            "the method act inside their windows, which the captured step does not run (sliding_layers=window leaves "
+            "those layers to their window)")
 

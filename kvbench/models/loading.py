@@ -332,6 +332,24 @@ def refuse_known_architecture(spec: ModelSpec) -> None:
         raise NotAvailableError(f"{what} is a {model_type!r} model: {UNSUPPORTED_ARCHITECTURES[model_type]}")
 
 
+def model_config(spec: ModelSpec, network: bool = False) -> dict[str, Any] | None:
+    """The ``config.json`` of an ``hf`` model, read before any weight loads: a local directory's, the hub cache's
+    (a model loaded before), or with ``network`` the hub's (the file the load fetches first; a plan on a GPU machine,
+    where the model is about to load); None where it cannot be read (the load then says why)."""
+    if spec.source != "hf" or spec.gguf_file or not spec.path:
+        return None
+    from transformers import PretrainedConfig
+
+    local = Path(spec.path).expanduser()
+    try:
+        if (local / "config.json").is_file():
+            return json.loads((local / "config.json").read_text())
+        config, _ = PretrainedConfig.get_config_dict(spec.path, revision=spec.revision, local_files_only=not network)
+        return config
+    except Exception:  # not on this machine, or unreadable: the load says why
+        return None
+
+
 def check_architecture(path: str, common: dict[str, Any], what: str) -> None:
     """Refuse an architecture kvbench cannot compress from its config alone (no weights, no remote code run)."""
     from transformers import PretrainedConfig
