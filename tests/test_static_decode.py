@@ -20,7 +20,8 @@ from kvbench.methods import build_method
 
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
-          "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o"]
+          "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o",
+          "lminfinite"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
 #: ThinK's keys keep half their channels: its default inner SnapKV (no probabilities: the fused kernel over the kept
@@ -247,7 +248,7 @@ def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
     assert both.tokens[0] == alone[0]
 
 
-@pytest.mark.parametrize("method", ["fullkv", "snapkv", "h2o", "d2o", "tova", "streamingllm", "think"])
+@pytest.mark.parametrize("method", ["fullkv", "snapkv", "h2o", "d2o", "tova", "streamingllm", "think", "lminfinite"])
 def test_a_batch_of_three_runs_in_the_bucket_of_four(toy_llama, method):
     """Three left-padded rows decode in a bucket of four (the fourth repeats the third and is dropped): the tokens
     are the host-driven path's, and the reported bytes are three rows'."""
@@ -314,7 +315,7 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, rea
     assert chosen["eager"][1:] == chosen[False][1:]
 
 
-NO_STATIC = [("cam", {}), ("roco", {}), ("sirllm", {}), ("pod", {}), ("infllm", {}), ("lminfinite", {}),
+NO_STATIC = [("cam", {}), ("roco", {}), ("sirllm", {}), ("pod", {}), ("infllm", {}),
              ("pyramidinfer", {}), ("kvzip", {}), ("think", {"inner": {"name": "cam"}}),
              ("d2o", {"variant": "official_code", "bug_compat": True}),  # tau carried across samples
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
@@ -338,7 +339,7 @@ def test_every_method_without_a_static_step_says_why_in_its_own_words():
             without.append(name)
             assert type(m).static_refusal is not Method.static_refusal, f"{name}: no static_refusal of its own"
             assert m.static_refusal() != Method.static_refusal(m) and "\n" not in m.static_refusal()
-    assert {"cam", "roco", "pyramidinfer", "lminfinite", "sirllm", "pod", "infllm", "cla", "offload"} <= set(without)
+    assert {"cam", "roco", "pyramidinfer", "sirllm", "pod", "infllm", "cla", "offload"} <= set(without)
 
 
 @pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else

@@ -69,6 +69,9 @@ class StaticPolicy:
       head) holds more than ``slots.capacity`` entries (clear their ``valid`` bits, after a merge where the method
       merges), in place; ``probs`` ``(B, Hkv, g, 1, C)`` float32 when ``needs_probs`` or ``accumulate``, else None;
     * ``attend(slots, policy)``: the slots this step attends ``(B, Hkv, C)`` (default: every valid one);
+    * ``attention(slots, policy)``: the method's own attention of ``slots.query`` over the slots it attends, the
+      output ``(B, Hq, 1, D)`` (default: softmax attention at the keys' stored rotation; LM-Infinite's distance
+      ceiling re-rotates);
     * ``choose(slots, policy)``: write this step's choice into ``slots.chosen`` (a selection other layers attend
       through);
     * ``accumulate``: add the step's probabilities to ``slots.acc`` (over each GQA group: ``acc_agg`` mean or max);
@@ -82,6 +85,7 @@ class StaticPolicy:
 
     evict: Callable | None = None
     attend: Callable | None = None
+    attention: Callable | None = None
     choose: Callable | None = None
     accumulate: bool = False
     acc_agg: str = "mean"
@@ -93,6 +97,8 @@ class StaticPolicy:
     def __post_init__(self) -> None:
         if self.acc_agg not in ("mean", "max"):
             raise ValueError(f"StaticPolicy.acc_agg={self.acc_agg!r}; valid: mean, max")
+        if self.attention is not None and (self.needs_probs or self.accumulate):
+            raise ValueError("StaticPolicy: a method's own attention gives no probabilities to need or accumulate")
         if self.choose is not None and self.selection is None:
             raise ValueError("StaticPolicy: choose writes a shared selection, which needs selection=(layer, width)")
 
@@ -373,7 +379,9 @@ def static_step(slots: StepSlots, policy: StaticPolicy) -> tuple[torch.Tensor, t
     attended = policy.attend(slots, policy) if policy.attend is not None else valid
     if policy.choose is not None:
         policy.choose(slots, policy)
-    if policy.needs_probs or policy.accumulate or slots.softcap is not None or slots.sinks is not None:
+    if policy.attention is not None:  # the method's own attention (no probabilities: it neither needs nor accumulates)
+        out, probs = policy.attention(slots._replace(valid=attended), policy), None
+    elif policy.needs_probs or policy.accumulate or slots.softcap is not None or slots.sinks is not None:
         # the model's soft-cap and sink logits as its eager attention applies them (the fused kernel has neither)
         logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * slots.scaling
         if slots.softcap is not None:

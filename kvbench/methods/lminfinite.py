@@ -53,6 +53,24 @@ def lambda_attention(q, q_pos, glob, local, window, inv_freq, scaling):
             + torch.einsum("bhgqk,bhkd->bhgqd", probs[..., n_glob:], lv))
 
 
+def static_attention(slots, policy) -> torch.Tensor:
+    """LM-Infinite's decode attention in the captured step (``StaticPolicy.attention``): :func:`lambda_attention` of
+    the step's query over the slots, as ``LMInfinite.attend`` over the cache. The globals are the slots at the
+    sequence's first ``params[0]`` positions (a row's real tokens start at 0; they are never evicted), the query's
+    position is the newest slot's (the step's own, just written), ``n_local`` is the row's capacity minus the globals
+    plus one. Returns ``(B, Hq, 1, D)``."""
+    keys, values, positions, valid, query = slots.keys, slots.values, slots.positions, slots.valid, slots.query
+    b, hq, q, d = query.shape
+    hkv = keys.shape[1]
+    window = (slots.capacity.view(b) - policy.params[0] + 1).clamp(min=1)
+    q_pos = positions.masked_fill(~valid, -1).amax(-1)[:, :1]  # (B, 1)
+    entries = (keys, values, positions)
+    globals_ = valid & (positions < policy.params[0])
+    out = lambda_attention(query.view(b, hkv, hq // hkv, q, d), q_pos, (*entries, globals_), (*entries, valid), window,
+                           slots.rope_inv_freq.to(query.device), slots.scaling)
+    return out.reshape(b, hq, q, d)
+
+
 #: logits of one pass of the blocked prompt attention, in bytes (float32): its kernels do not grow with the prompt
 #: until the prompt's logits exceed this
 PASS_BYTES = 1 << 30
@@ -126,12 +144,13 @@ class LMInfinite(Method):
     def __post_init__(self) -> None:
         check_positive(self.name, n_global=self.n_global, chunk=self.chunk)
 
-    def static_refusal(self) -> str:
-        return (
-            "its decode attention is its own: the global tokens beyond the window are attended at the distance "
-            "ceiling (the query re-rotated to position n_local, the key to 0), which the captured step's attention "
-            "over keys at their stored rotation does not do"
-        )
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """The captured step: :func:`static_attention` (the Λ attention with the distance ceiling over the slots),
+        then the oldest entry after the ``n_global`` first positions leaves (the cache is StreamingLLM's: the
+        globals and the ``n_local - 1`` newest)."""
+        from kvbench.engine.static import StaticPolicy, evict_oldest
+
+        return StaticPolicy(evict=evict_oldest, attention=static_attention, params=(self.n_global,))
 
     def min_budget_tokens(self) -> int:
         return self.n_global + 1
