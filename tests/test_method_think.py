@@ -91,11 +91,3 @@ def test_compact_positions_are_refused(toy_llama):
         with CompressionSession(toy_llama, method, budget, position_mode="compact"):
             greedy_generate(toy_llama, [_prompt(120)], 2, [], 0)
 
-
-def test_static_decode_is_refused_for_kvzip(toy_llama):
-    """engine.compile's static layers exist before KVzip's repeat forwards. (ThinK decodes captured over slots of
-    its kept channels, where its inner method has a step: tests/test_static_decode.py.)"""
-    budget = Budget.parse(48)
-    with pytest.raises(ConfigError, match="has no static decode step"):
-        with CompressionSession(toy_llama, build_method({"name": "kvzip"}, budget), budget, compile="eager"):
-            pass

@@ -164,15 +164,16 @@ def test_ragged_heads_inside_sliding_windows_decode_as_padded_ones(monkeypatch):
     assert ragged.resident_kv_bytes_final < padded.resident_kv_bytes_final
 
 
-@pytest.mark.parametrize("fields", [{}, {"allocation": "kvpress"}])
-def test_the_captured_decode_runs_a_ragged_cache_as_padded_slots(toy_llama, fields):
+@pytest.mark.parametrize(("name", "fields"), [("adakv", {}), ("adakv", {"allocation": "kvpress"}), ("kvzip", {})])
+def test_the_captured_decode_runs_a_ragged_cache_as_padded_slots(toy_llama, name, fields):
     """engine.compile holds fixed (B, H, slots, D) layers: a ragged layer becomes its padded view there (the empty
     slots of shorter heads invalid), decodes the same tokens, and reports the bytes its heads hold, as the ragged
-    layer does (KVzip has no static step at all: test_method_think)."""
+    layer does. KVzip's layers become static after its scoring forwards (before, it had no captured step)."""
     b = Budget.parse(48)
     runs = {}
     for compile in (False, "eager"):
-        with CompressionSession(toy_llama, build_method({"name": "adakv", **fields}, b), b, compile=compile) as s:
+        with CompressionSession(toy_llama, build_method({"name": name, **fields}, b), b, compile=compile,
+                                tokenizer=ByteTokenizer()) as s:
             runs[compile] = greedy_generate(toy_llama, [_prompt(200, 1)], 20, [], 0)
             if compile:
                 assert all(isinstance(layer, StaticKVLayer) and layer.ragged is None for layer in s._layers.values())

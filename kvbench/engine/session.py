@@ -718,6 +718,8 @@ class CompressionSession:
             self._reconstructing, self._reconstruct_mask = None, None
         self.method.finish_reconstruction([self._layers[i] for i in self.compressed])
         self._record_prefill_stats(layers, check=True)
+        if self.compile:  # the scoring forwards ran on the prefill's layers: the static ones start from their result
+            self._to_static()
 
     def _reconstruct_attend(self, impl, backend, module, layer, query, kwargs):
         """A repeat forward's layer: the model's attention over the whole cache (causal among the repeat tokens), and
@@ -877,8 +879,8 @@ class CompressionSession:
         reconstructs = getattr(self.method, "needs_reconstruction", False) and not self.budget.is_full
         self._reconstruct_pending = reconstructs
         self._record_prefill_stats(layers, check=not self.method.needs_logits and not reconstructs)
-        self._static_pending = bool(self.compile)
-        if self.compile and (self.budget.is_full or not self.method.static_after_first_step()):
+        self._static_pending = bool(self.compile) and not reconstructs  # reconstructs: static after it (_reconstruct)
+        if self.compile and (self.budget.is_full or not (self.method.static_after_first_step() or reconstructs)):
             self._to_static()
 
     def _record_resident(self, step: int) -> None:

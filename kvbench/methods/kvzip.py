@@ -87,13 +87,6 @@ class KVzip(Method):
     def min_budget_reason(self) -> str:
         return f"the {self.n_sink} sink tokens always stay"
 
-    def static_policy(self, capacity: int):
-        return None  # the repeat forwards run after prefill, before any static layer could exist
-
-    def static_refusal(self) -> str:
-        return ("its scoring forwards run after the prompt's, on the default path, and its default ragged layers "
-                "have no fixed-capacity form")
-
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if ctx.key_valid is not None or ctx.queries.shape[0] != 1:
             raise NotAvailableError("method 'kvzip' scores one prompt at a time (batch_size=1)")
