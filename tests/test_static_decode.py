@@ -21,7 +21,7 @@ from kvbench.methods import build_method
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
           "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o",
-          "lminfinite", "kvzip"]
+          "lminfinite", "kvzip", "roco"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
 #: ThinK's keys keep half their channels: its default inner SnapKV (no probabilities: the fused kernel over the kept
@@ -323,7 +323,7 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, rea
     assert chosen["eager"][1:] == chosen[False][1:]
 
 
-NO_STATIC = [("cam", {}), ("roco", {}), ("sirllm", {}), ("pod", {}), ("infllm", {}),
+NO_STATIC = [("cam", {}), ("sirllm", {}), ("pod", {}), ("infllm", {}),
              ("pyramidinfer", {}), ("think", {"inner": {"name": "cam"}}),
              ("d2o", {"variant": "official_code", "bug_compat": True}),  # tau carried across samples
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
@@ -347,7 +347,7 @@ def test_every_method_without_a_static_step_says_why_in_its_own_words():
             without.append(name)
             assert type(m).static_refusal is not Method.static_refusal, f"{name}: no static_refusal of its own"
             assert m.static_refusal() != Method.static_refusal(m) and "\n" not in m.static_refusal()
-    assert {"cam", "roco", "pyramidinfer", "sirllm", "pod", "infllm", "cla", "offload"} <= set(without)
+    assert {"cam", "pyramidinfer", "sirllm", "pod", "infllm", "cla", "offload"} <= set(without)
 
 
 @pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else
@@ -440,3 +440,58 @@ def test_the_captured_step_decodes_as_the_default_path_on_other_families(family,
         static, _ = _generate(model, method, budget, "eager", [_prompt(300)], new=24)
         assert static.tokens == eager.tokens, method
         assert static.resident_kv_bytes_final == eager.resident_kv_bytes_final, method
+
+
+@pytest.mark.parametrize("fields", [{}, {"sink_size": 40, "recent_ratio": 0.1, "exclude_last": 2},
+                                    {"variant": "easykv"}], ids=["default", "sinks", "easykv"])
+def test_static_roco_leaves_the_cache_of_the_default_path(toy_llama, fields):
+    """RoCo's captured step (its three statistics per slot, the victim by its pool over the slots in position order,
+    the pool's size from each row's capacity on the device) keeps, after 40 evicting steps, the entries the default
+    path keeps in every layer and head, with the same attention sums, squares and counts."""
+    from kvbench.methods.roco import STATS
+
+    def held(session):
+        out = []
+        for idx in sorted(session._layers):
+            layer = session._layers[idx]
+            valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+            order = torch.argsort(layer.positions.masked_fill(~valid, 1 << 40), dim=-1)[..., : int(valid.sum(-1).max())]
+            out.append([torch.gather(layer.positions, -1, order)] +
+                       [torch.gather(layer.state[name], -1, order) for name in STATS])
+        return out
+
+    eager, eager_session = _generate(toy_llama, "roco", 64, False, [_prompt()], new=41, fields=fields)
+    static, static_session = _generate(toy_llama, "roco", 64, "eager", [_prompt()], new=41, fields=fields)
+    assert static.tokens == eager.tokens
+    for a, b in zip(held(eager_session), held(static_session), strict=True):
+        assert torch.equal(a[0], b[0])
+        for x, y in zip(a[1:], b[1:]):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("ratio", "sinks", "exclude_last"), [(0.3, 0, 10), (0.1, 6, 2), (0.5, 3, 0)])
+def test_roco_static_victim_is_roco_victims_over_the_slots(ratio, sinks, exclude_last):
+    """The captured step's victim is ``roco_victims``' over the entries in position order, whatever slots hold them
+    (shuffled, with empty slots among them), for every pool size, sink count and excluded tail: random statistics,
+    where the toy model's attention never reaches the sinks or the pool's edge."""
+    from kvbench.engine.static import StepSlots
+    from kvbench.methods.roco import STATS, RoCo, roco_victims, static_evict
+
+    g = torch.Generator().manual_seed(int(ratio * 10) + sinks)
+    b, h, c = 1, 2, 30
+    policy = RoCo(recent_ratio=ratio, sink_size=sinks, exclude_last=exclude_last).static_policy(24)
+    for _ in range(10):
+        valid = torch.ones(b, h, c, dtype=torch.bool)
+        valid[..., torch.randperm(c, generator=g)[:5]] = False  # 25 held, 5 empty slots
+        positions = torch.stack([torch.randperm(c, generator=g) for _ in range(h)]).unsqueeze(0)
+        state = {"roco_sum": torch.rand(b, h, c, generator=g), "roco_sq": torch.rand(b, h, c, generator=g) * 0.1,
+                 "roco_count": torch.randint(1, 9, (b, h, c), generator=g).float()}
+        before = {k: v.clone() for k, v in state.items()}
+        capacity = torch.full((b, 1, 1), 24)
+        slots = StepSlots(None, None, positions, valid.clone(), None, capacity, {}, None, None, 1.0, None, state=state)
+        static_evict(slots, torch.zeros(b, h, 1, 1, c), policy)
+        order = torch.argsort(positions.masked_fill(~valid, 1 << 40), dim=-1)[..., :25]
+        stats = [torch.gather(before[n] + (valid.float() if n == "roco_count" else 0), -1, order) for n in STATS]
+        pool = max(24 - int(24 * ratio) - sinks, 1)
+        expected = torch.gather(order, -1, roco_victims(*stats, 1, pool, exclude_last, sinks))
+        assert torch.equal(valid & ~slots.valid, torch.zeros_like(valid).scatter_(-1, expected, True))

@@ -131,6 +131,6 @@ def graph_refusal(method: Any, spec: DecodeCompression | None, budget: Budget) -
                 "have to hold all of it); give budget=<tokens> or decode_compression.target_size")
     policy = method.static_policy(1 << 30)
     if policy is not None and (policy.evict is not None or policy.attend is not None or policy.choose is not None
-                               or policy.accumulate):
+                               or policy.accumulate or policy.attention is not None or policy.state):
         return "its captured step also evicts or selects at every step (only appending steps are compressed there)"
     return None

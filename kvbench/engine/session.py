@@ -392,7 +392,8 @@ class CompressionSession:
             elif shared is not None and idx in sharing:
                 extra = shared - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
-            static = StaticKVLayer.from_layer(layer, extra, policy.accumulate, rows, pool.taker((idx,), device))
+            state = ("acc",) * policy.accumulate + policy.state
+            static = StaticKVLayer.from_layer(layer, extra, state, rows, pool.taker((idx,), device))
             if compresses:
                 self._captured_layer(compression, idx, layer, static, rows, pool)
             if policy.choose is not None:  # a selection later layers attend through (OmniKV's filter layer)
@@ -518,7 +519,7 @@ class CompressionSession:
         chosen = self._chosen.get(policy.selection[0]) if policy.selection is not None else None
         slots = StepSlots(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity,
                           layer.row_state, chosen, query, scaling, self.rope_inv_freq, layer.key_channels,
-                          spec.softcap, spec.sinks)
+                          spec.softcap, spec.sinks, layer.state)
         return static_step(slots, policy)
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):

@@ -43,7 +43,8 @@ class StepSlots(NamedTuple):
     attention ``scaling``, the model's RoPE frequencies ``rope_inv_freq`` (or None) and, for a layer whose keys keep
     fewer channels than its queries (ThinK), the channels they keep ``key_channels`` ``(B, Hkv, D_kept)`` (or None:
     ``keys`` are then ``(B, Hkv, C, D_kept)``, ``values`` keep ``D``), and the layer's logit soft-cap ``softcap`` (Gemma
-    2) and per-query-head sink logits ``sinks`` ``(Hq,)`` (GPT-OSS), as the model's attention applies them (or None)."""
+    2) and per-query-head sink logits ``sinks`` ``(Hq,)`` (GPT-OSS), as the model's attention applies them (or None),
+    and the layer's per-entry statistics ``state`` (``StaticPolicy.state``: name -> ``(B, Hkv, C)``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -59,6 +60,7 @@ class StepSlots(NamedTuple):
     key_channels: torch.Tensor | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    state: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ class StaticPolicy:
     * ``choose(slots, policy)``: write this step's choice into ``slots.chosen`` (a selection other layers attend
       through);
     * ``accumulate``: add the step's probabilities to ``slots.acc`` (over each GQA group: ``acc_agg`` mean or max);
+    * ``state``: names of per-entry statistics the method's functions read and write themselves (``slots.state``:
+      float32 ``(B, Hkv, C)`` each, the layer's ``state`` entries of those names at prefill, zero for a new entry;
+      RoCo's attention sums, squares and counts);
     * ``params``: the method's constants its functions read (its sinks, recent window, page sizes, merge settings);
     * ``slot_multiple``: the layer's slot count a multiple of this (Quest's pages);
     * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads.
@@ -88,6 +93,7 @@ class StaticPolicy:
     attention: Callable | None = None
     choose: Callable | None = None
     accumulate: bool = False
+    state: tuple[str, ...] = ()
     acc_agg: str = "mean"
     needs_probs: bool = False
     params: tuple = ()
@@ -174,12 +180,14 @@ class StaticKVLayer(KVLayer):
     """A ``KVLayer`` with a fixed number of slots; ``valid`` marks the occupied ones (always a tensor here)."""
 
     @classmethod
-    def from_layer(cls, layer: KVLayer, extra: int, accumulate: bool, rows: int | None = None,
+    def from_layer(cls, layer: KVLayer, extra: int, state: tuple[str, ...] = (), rows: int | None = None,
                    take: Callable[[str, tuple, torch.dtype], torch.Tensor] | None = None) -> StaticKVLayer:
         """The entries of ``layer`` in a layer with ``extra`` free slots per (row, head) after them. Every tensor is
         the first rows of a buffer of ``rows`` rows (the captured step's batch bucket; ``pad_rows`` fills the rest)
         that ``take(name, shape, dtype)`` hands out (``SlotPool.taker``: the same buffers for every generation of the
-        same shapes, so a CUDA graph replays over the same addresses), or a new one."""
+        same shapes, so a CUDA graph replays over the same addresses), or a new one. ``state``: the per-entry
+        statistics the step keeps (``acc`` where it accumulates, a method's own ``StaticPolicy.state``), float32, from
+        the layer's ``state`` (zero where it has none)."""
         ragged = layer.ragged is not None  # each head's kept entries flat (AdaKV's, KVzip's layout): its padded view
         keys, values, valid = layer.attention_view()
         positions = layer.position_view()[0]
@@ -206,11 +214,10 @@ class StaticKVLayer(KVLayer):
         new.positions = place("positions", positions)
         valid = valid if valid is not None else torch.ones(b, h, n, dtype=torch.bool, device=device)
         new.valid = place("valid", valid)
-        if accumulate:
-            if ragged:
-                raise NotImplementedError("a ragged layer's per-entry state has no static form")
-            acc = layer.state.get("acc", torch.zeros(b, h, n, device=device, dtype=torch.float32))
-            new.state = {"acc": place("state.acc", acc.float())}
+        if state and ragged:
+            raise NotImplementedError("a ragged layer's per-entry state has no static form")
+        new.state = {name: place(f"state.{name}", layer.state.get(name, torch.zeros(b, h, n, device=device)).float())
+                     for name in state}
         new.row_state = {k: place(f"row_state.{k}", v, slots=False) for k, v in layer.row_state.items()}
         if layer.key_channels is not None:  # keys keep these channels (ThinK): every step's key is stored with them
             new.key_channels = place("key_channels", layer.key_channels, slots=False)
@@ -290,8 +297,8 @@ class StaticKVLayer(KVLayer):
             torch.full_like(slot, positions)
         self.positions.scatter_(-1, slot, at)
         self.valid.scatter_(-1, slot, torch.ones_like(slot, dtype=torch.bool))
-        if "acc" in self.state:
-            self.state["acc"].scatter_(-1, slot, torch.zeros_like(slot, dtype=self.state["acc"].dtype))
+        for stat in self.state.values():  # a new entry's statistics start at zero
+            stat.scatter_(-1, slot, torch.zeros_like(slot, dtype=stat.dtype))
         return slot
 
     def show_entries(self, layer: KVLayer, rows: int, fill: int) -> None:

@@ -48,6 +48,37 @@ def roco_victims(sums, squares, counts, k: int, pool: int, exclude_last: int, si
     return torch.gather(pool_idx, -1, pick)
 
 
+def static_evict(slots, probs: torch.Tensor, policy) -> None:
+    """RoCo's decode step in the captured step (``StaticPolicy.evict``), ``RoCo.decode`` on the slots: the step's
+    group-mean attention joins each entry's sum, squares and count (``slots.state``), then where a (row, head) holds
+    more than its capacity one entry leaves, chosen by :func:`roco_victims`'s rule over the entries in position order
+    (the slots sorted by position, empty ones last): the pool is the ``capacity - int(capacity x ratio) - sinks``
+    lowest std (computed from each row's capacity on the device, in float64 as the host computes it), the victim its
+    lowest mean. ``params``: (ratio, sinks, exclude_last)."""
+    ratio, sinks, exclude_last = policy.params
+    state, valid, positions = slots.state, slots.valid, slots.positions
+    row = probs.mean(2)[..., 0, :]  # (B, Hkv, C): the step's attention, mean over the GQA group
+    state["roco_sum"].add_(row)
+    state["roco_sq"].add_(row.square())
+    state["roco_count"].add_(valid.to(row.dtype))  # the step's one query attended every entry held
+    c = valid.shape[-1]
+    order = torch.argsort(positions.masked_fill(~valid, torch.iinfo(positions.dtype).max), dim=-1, stable=True)
+    sums, squares, counts = (torch.gather(state[name], -1, order) for name in STATS)
+    counts = counts.clamp(min=1)
+    mean = sums / counts
+    std = (squares / counts - mean.square()).clamp(min=0).sqrt()
+    held = valid.sum(-1, keepdim=True)  # (B, Hkv, 1)
+    rank = torch.arange(c, device=valid.device)
+    std = std.masked_fill((rank >= held - exclude_last) | (rank < sinks), float("inf"))  # empty slots: last, inf
+    capacity = slots.capacity  # (B, 1, 1)
+    pool = (capacity - torch.floor(capacity.to(torch.float64) * ratio).long() - sinks).clamp(min=1)
+    pool_idx = torch.sort(std, dim=-1, stable=True).indices  # lowest std first, older first among equals
+    pool_mean = torch.gather(mean, -1, pool_idx).masked_fill(rank >= pool, float("inf"))
+    victim = torch.gather(order, -1, torch.gather(pool_idx, -1, torch.argmin(pool_mean, dim=-1, keepdim=True)))
+    over = held > capacity
+    valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)
+
+
 @dataclass
 class RoCo(Method):
     """Per layer and KV head: S_j (accumulated attention), Q_j (accumulated squared attention) and c_j (queries
@@ -92,11 +123,12 @@ class RoCo(Method):
             raise ConfigError(f"method 'roco': exclude_last={self.exclude_last} and sink_size={self.sink_size} "
                               "must be >= 0")
 
-    def static_refusal(self) -> str:
-        return (
-            "its eviction reads three statistics per entry (attention sum, squares and count: mean and std) and picks "
-            "from a pool sorted by std; the captured step's slots carry one accumulated score"
-        )
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """The captured step: :func:`static_evict` over the three statistics the slots carry."""
+        from kvbench.engine.static import StaticPolicy
+
+        ratio, sinks = self._phase(False)
+        return StaticPolicy(evict=static_evict, needs_probs=True, state=STATS, params=(ratio, sinks, self.exclude_last))
 
     def min_budget_tokens(self) -> int:
         return 2
