@@ -467,3 +467,38 @@ def test_a_bench_stopped_by_sigterm_judges_what_it_stored(tmp_path):
     assert len([json.loads(line) for line in (store / "cells.jsonl").read_text().splitlines()]) == 6
     verdicts = json.loads((store / "targets.json").read_text())["targets"]
     assert verdicts and not any(v.get("note") == "not measured" for v in verdicts)
+
+
+def test_a_captured_cell_counts_the_tokens_equal_to_the_host_driven_path(monkeypatch):
+    """With the captured decode a cell generates its prompts once more host-driven after the timed runs and stores the
+    leading tokens the two share (the fewest over its rows) and whether their final bytes agree: issue #36's "tokens
+    equal to the eager path" measured where the GPU runs it. A captured run that parts at token 5 stores 5, and a
+    ``min_value`` target of 8 judges it."""
+    from omegaconf import OmegaConf
+
+    import kvbench.bench.measure as measure
+    from kvbench.methods import build_method
+    from kvbench.models import load_model, spec_from_config
+
+    loaded = load_model(spec_from_config(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml")))
+    budget = Budget.parse(64)
+    method = build_method({"name": "h2o"}, budget)
+    kwargs = dict(metrics=["decode"], new_tokens=8, warmup=0, repeats=1, compile="eager")
+    result = measure.measure_cell(loaded, method, budget, 128, 2, **kwargs)
+    assert (result.decode_eager_equal_tokens, result.decode_eager_equal_bytes) == (8, True)
+    real, calls = measure.greedy_generate, []
+
+    def parting(*args, **kw):  # the timed (captured) run's second row parts from the host-driven path at token 5
+        out = real(*args, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            out.tokens[1][5] = (out.tokens[1][5] + 1) % 100
+        return out
+
+    monkeypatch.setattr(measure, "greedy_generate", parting)
+    result = measure.measure_cell(loaded, method, budget, 128, 2, **kwargs)
+    assert result.decode_eager_equal_tokens == 5 and len(calls) == 2
+    rows = [{"method": "h2o", "budget": "64", "context_length": 128, "batch_size": 2, **result.as_dict()}]
+    [verdict] = judge(rows, [{"name": "t", "metric": "decode_eager_equal_tokens", "context_length": 128,
+                              "methods": ["h2o"], "min_value": 8}], None)
+    assert (verdict["value"], verdict["bound"], verdict["ok"]) == (5, ">= 8", False)

@@ -56,6 +56,11 @@ class CellResult:
     #: the first decode run's wall seconds (a warm-up: prefill, the captured step's compile where it is new, its
     #: steps): what a cell costs beyond its timed runs (a GPU session's budget is planned from it)
     decode_first_run_seconds: float | None = None
+    #: with the captured decode (``compile``): the leading tokens its last timed run shares with a host-driven
+    #: generation of the same prompts, the fewest over the rows (issue #36: all of them in fp32, the first 32 in
+    #: bf16), and whether the two report the same final resident bytes
+    decode_eager_equal_tokens: int | None = None
+    decode_eager_equal_bytes: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -256,10 +261,20 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
                                                         * loaded.kv_bytes_per_token())
         if result.resident_kv_bytes is None:
             result.resident_kv_bytes = session.stats.resident_kv_bytes_after_prefill
+        if compile and outs:  # the captured step's tokens against the host-driven path's, after the timed runs
+            with CompressionSession(model, method, budget, tokenizer=tok):
+                eager = greedy_generate(model, prompts, new_tokens, [], loaded.tokenizer.pad_token_id)
+            result.decode_eager_equal_tokens = min(_common_prefix(a, b) for a, b in zip(outs[-1].tokens, eager.tokens))
+            result.decode_eager_equal_bytes = outs[-1].resident_kv_bytes_final == eager.resident_kv_bytes_final
         if "kernels" in metrics:  # after the timed runs: the captured step's graphs are warm
             result.decode_kernels = _profiled(decode_kernels, model, method, budget, prompts, tok, compile=compile)
         release_slot_pool(model)  # the captured decode's buffers stay out of the next cell's memory
     return result
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _profiled(profile_fn, *args, **kwargs) -> dict[str, Any]:

@@ -13,7 +13,9 @@ same context length and batch size, or ``equals_budget``, or ``max_budget_ratio`
 the budget's bytes (``resident_kv_bytes_decode_max``, a decode's peak: against the budget at the prompt + the
 generated tokens), or ``max_budget_plus_tokens``: the value at most the budget's bytes plus that many tokens' (a
 decode compression's interval, whatever the budget), or ``max_floor_ratio``: decode ms per step at most that many
-times the cell's floor). A prefill target on a paired cell uses the median of the per-pair ratios.
+times the cell's floor, or ``max_value`` / ``min_value``: the value itself at most / at least that (the captured
+decode's ``decode_eager_equal_tokens``: leading tokens equal to the host-driven path's)). A prefill target on a
+paired cell uses the median of the per-pair ratios.
 
 ``floor: {copy_mib, warmup, repeats}`` (bench level) measures the device's copy bandwidth once per run
 (``floor.json``) and gives every decode row its floor: ``(weight bytes + resident KV bytes) / bandwidth``.
@@ -491,6 +493,10 @@ def judge(rows: list[dict[str, Any]], targets: list[dict[str, Any]], loaded) -> 
                     value = row.get(metric)
                     verdict.update(bound=f"<= {target['max_value']}",
                                    ok=None if value is None else value <= target["max_value"])
+                elif "min_value" in target:  # an absolute floor (the captured decode's tokens equal to the eager's)
+                    value = row.get(metric)
+                    verdict.update(bound=f">= {target['min_value']}",
+                                   ok=None if value is None else value >= target["min_value"])
                 elif target.get("equals_budget") or "max_budget_ratio" in target or \
                         "max_budget_plus_tokens" in target:
                     # the decode peak against the budget at the tokens seen by the generation's end (a budget above
