@@ -287,8 +287,8 @@ def resolve_decode(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec
         mode = "graph"
     if mode == "eager":
         return "eager"
-    why = _no_graph(cfg, method, budget, task, spec, question)
     if mode == "graph":
+        why = _no_graph(cfg, method, budget, task, spec, question)
         if why is not None:
             setting, instead = ("engine.compile=true", "engine.compile=false") if compiled else \
                 ("engine.decode=graph", "engine.decode=eager")
@@ -297,7 +297,8 @@ def resolve_decode(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec
     from kvbench.models import resolve_device
 
     if resolve_device(spec.device) != "cuda":
-        return "eager"
+        return "eager"  # before asking why not (a model's config is read there): a CPU decodes host-driven anyway
+    why = _no_graph(cfg, method, budget, task, spec, question)
     if why is not None:
         logging.getLogger("kvbench").info("engine.decode=auto decodes on the host-driven path: %s", why)
         return "eager"
