@@ -73,6 +73,10 @@
 # bench 10 s: grid 0's cells resumed, check 21 s: 31/31 methods), every step passed, a 148 kB session.tgz. And cut:
 # KVBENCH_SESSION_STEPS=bench KVBENCH_SESSION_SECONDS=60 KVBENCH_BENCH_ARGS='bench.repeats=300': SIGTERM at 60 s,
 # "4 of 6 cells not measured", targets.md with the 2 stored cells judged and the others "not measured", 63 s in all.
+# Again 2026-11-29 at aee49f0 (torch 2.13.0+cpu, transformers 5.17.0; the session bundle rebuilt, 7.1 MiB): 76 s
+# (install 1 s, bench:0 38 s, prefill 8 s, bench 6 s, check 21 s: 31/31 methods), every step passed, a 147 kB
+# session.tgz. (This CPU rehearsal's bench is bench=smoke, decoded host-driven: the captured cells' comparison with
+# the host-driven path, decode_eager_equal_tokens, runs in gpu_targets on the GPU and in tests/test_bench.py.)
 # On this project's lent GPU (the device tool's `run`, from the checkout's root; .kvbundle is ignored, so it is named
 # in carry; $OUT/session.tgz comes back):
 #   carry [".kvbundle"], timeout_s 600, command:
