@@ -285,3 +285,33 @@ def test_a_refused_architecture_leaves_no_job_behind(tmp_path):
     with pytest.raises(NotAvailableError, match="'falcon' model"):
         run_job(cfg)
     assert not list(tmp_path.glob("runs/*/*/*/*/*"))
+
+
+# (OmniKV's and ThinK's depend on their fields: a property, left out here)
+OWN_ATTENTION = sorted(name for name in set(METHODS.names()) - NOT_ON_CPU
+                       if METHODS.get_class(name).own_attention is True)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_a_method_computing_attention_itself_is_refused_where_the_model_caps_or_sinks_it(models, family):
+    """CaM, RoCo, LM-Infinite, POD, PyramidInfer and InfLLM compute (part of) the attention themselves, as plain
+    softmax attention: on Gemma 2 (logit soft-cap) and GPT-OSS (sink logits) that is not the model's attention, so the
+    session refuses them in one line before any forward (before, they ran and reported another attention under their
+    name). Methods that score with the model's attention run (SnapKV, H2O)."""
+    from helpers import ByteTokenizer
+
+    model = _model(models, family)
+    assert {"cam", "roco", "lminfinite", "pod", "pyramidinfer", "infllm"} <= set(OWN_ATTENTION)
+    b = Budget.parse(64)
+    for name in OWN_ATTENTION:
+        with pytest.raises(NotAvailableError, match=f"method '{name}' computes attention itself") as refused:
+            with CompressionSession(model, build_method({"name": name}, b), b, tokenizer=ByteTokenizer()):
+                pytest.fail("no refusal")
+        assert "\n" not in str(refused.value)
+        assert ("soft-cap" if family == "gemma2" else "sink logits") in str(refused.value)
+    with pytest.raises(NotAvailableError, match="method 'think' computes attention itself"):  # its inner method's
+        with CompressionSession(model, build_method({"name": "think", "inner": {"name": "roco"}}, b), b):
+            pass
+    for name in ("snapkv", "h2o"):
+        with CompressionSession(model, build_method({"name": name}, b), b):
+            greedy_generate(model, [_prompt()], 3, [], 0)

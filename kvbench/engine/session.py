@@ -222,6 +222,8 @@ class CompressionSession:
             except ConfigError:
                 self.__exit__()
                 raise
+        if not self.budget.is_full and self.method.own_attention:
+            self._check_own_attention()
         if self.compile:
             self._check_static()
         if not self.budget.is_full and self.method.ragged_cache():
@@ -304,6 +306,20 @@ class CompressionSession:
                 f"engine.compile=true: method {self.method.name!r} has no static decode step "
                 f"({self.method.static_refusal()}; docs/efficiency.md lists each method's); use engine.compile=false"
             )
+
+    def _check_own_attention(self) -> None:
+        """Refuse, before any forward, a method that computes attention itself (``Method.own_attention``) on a model
+        whose compressed layers cap their logits or add sink logits, which its attention does not apply."""
+        capped = [i for i in self.compressed if self.layer_specs[i].softcap is not None]
+        sinks = [i for i in self.compressed if self.layer_specs[i].sinks is not None]
+        if not capped and not sinks:
+            return
+        what = f"logit soft-cap ({len(capped)} of the layers it compresses)" if capped else \
+            f"per-head sink logits ({len(sinks)} of the layers it compresses)"
+        self.__exit__()
+        raise NotAvailableError(f"method {self.method.name!r} computes attention itself, as plain softmax attention "
+                                f"without {type(self.model).__name__}'s {what}: its outputs would not be this model's "
+                                "attention under the method's change, so kvbench refuses to report them under its name")
 
     def _check_ragged(self) -> None:
         """Refuse, before any forward, what a method's ragged cache layers (``KVLayer.to_ragged``) cannot do."""

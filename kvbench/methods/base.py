@@ -85,6 +85,11 @@ class Method:
     #: the method acts on share one slot count, the most any of them needs rounded up to 64, so the job's samples
     #: replay one graph (a few empty slots per layer: layout, not resident bytes, which count the entries held)
     capacities_from_content: ClassVar[bool] = False
+    #: the method computes (some of) its layers' attention itself (``prefill_attend`` / ``attend`` return an output:
+    #: Λ masks, merged values, attention over another layer's cache or a host bank) as plain softmax attention,
+    #: without a model's logit soft-cap (Gemma 2) or per-head sink logits (GPT-OSS): the session refuses it on a model
+    #: whose compressed layers have either (its outputs would not be the model's attention under the method's change)
+    own_attention: ClassVar[bool] = False
     #: question=after_compression / turns=N feed the question as a continued multi-token forward after the compressed
     #: prompt (queries attend the cache and each other causally, through ``decode``/``select``/``attend``); a method
     #: whose decode path is single-query by design (its own attention or selection per step) sets this False and

@@ -74,6 +74,7 @@ class CaM(Method):
     """
 
     name: ClassVar[str] = "cam"
+    own_attention: ClassVar[bool] = True
     compression: ClassVar[str] = "prefill"
     needs_decode_probs: ClassVar[bool] = True
     supports_batching: ClassVar[bool] = False

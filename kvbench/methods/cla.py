@@ -54,6 +54,7 @@ class CLA(Method):
     """
 
     name: ClassVar[str] = "cla"
+    own_attention: ClassVar[bool] = True
     supports_continued_forward: ClassVar[bool] = False  # its own single-query decode attention/selection
     compression: ClassVar[str] = "prefill"
     requires_training: ClassVar[bool] = True

@@ -81,6 +81,7 @@ class InfLLM(Method):
     """
 
     name: ClassVar[str] = "infllm"
+    own_attention: ClassVar[bool] = True
     supports_continued_forward: ClassVar[bool] = False  # its own single-query decode attention/selection
     compression: ClassVar[str] = "attention"
     supports_batching: ClassVar[bool] = False

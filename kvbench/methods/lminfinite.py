@@ -137,6 +137,7 @@ class LMInfinite(Method):
     """
 
     name: ClassVar[str] = "lminfinite"
+    own_attention: ClassVar[bool] = True
     compression: ClassVar[str] = "prefill"
     n_global: int = 10
     chunk: int = 512

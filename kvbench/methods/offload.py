@@ -78,6 +78,7 @@ class BrutalOffload(Method):
     """
 
     name: ClassVar[str] = "offload"
+    own_attention: ClassVar[bool] = True
     supports_continued_forward: ClassVar[bool] = False  # its own single-query decode attention/selection
     #: every token stays (the prompt's in host memory) and is attended; the budget is unused
     compression: ClassVar[str] = "none"

@@ -215,6 +215,11 @@ class OmniKV(Method):
             self._bank[idx] = (bank_k.pin_memory(), bank_v.pin_memory()) if pin else (bank_k, bank_v)
             layer.keys, layer.values = layer.keys[:, :, n:].clone(), layer.values[:, :, n:].clone()
 
+    @property
+    def own_attention(self) -> bool:
+        """The context bank's attention (``offload``) is computed here, without a soft-cap or sink logits."""
+        return self.offload != "off"
+
     def static_policy(self, capacity: int, layer_idx: int = 0):
         """``engine.compile`` (every selector, no offload): the filter layer's step writes its top-k prompt slots into a
         selection its segment's sparse layers attend through (with every generated token); nothing is evicted, so

@@ -58,6 +58,7 @@ class POD(Method):
     """
 
     name: ClassVar[str] = "pod"
+    own_attention: ClassVar[bool] = True
     supports_continued_forward: ClassVar[bool] = False  # its own single-query decode attention/selection
     supports_batching: ClassVar[bool] = False
     n_s: int = 16

@@ -98,6 +98,7 @@ class PyramidInfer(Method):
     """
 
     name: ClassVar[str] = "pyramidinfer"
+    own_attention: ClassVar[bool] = True
     decode_state_outside_cache: ClassVar[bool] = True  # its attention rows per layer (_rows, _frozen)
     compression: ClassVar[str] = "prefill"
     supports_batching: ClassVar[bool] = False

@@ -104,6 +104,7 @@ class RoCo(Method):
     """
 
     name: ClassVar[str] = "roco"
+    own_attention: ClassVar[bool] = True
     compression: ClassVar[str] = "prefill"
     needs_decode_probs: ClassVar[bool] = True
     supports_batching: ClassVar[bool] = False

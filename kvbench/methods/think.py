@@ -158,6 +158,10 @@ class ThinK(Method):
         return head_dim - int(head_dim * self.key_channel_compression_ratio)
 
     @property
+    def own_attention(self) -> bool:
+        return self._inner.own_attention
+
+    @property
     def capacities_from_content(self) -> bool:
         return self._inner.capacities_from_content
 
