@@ -427,19 +427,26 @@ def test_the_static_step_applies_the_layers_softcap_and_sinks():
                 torch.testing.assert_close(acc, probs.sum(3).mean(2))
 
 
-@pytest.mark.parametrize(("family", "methods"), [("gemma2", ("fullkv", "h2o")), ("gpt_oss", ("fullkv", "h2o")),
+#: a step of each kind: appending, accumulating and evicting, a merge, a page choice, pruned key channels, a decode
+#: compression between captured blocks, a method's own statistics, heads of their own lengths after scoring forwards
+OTHER_FAMILY_METHODS = ("fullkv", "h2o", "tova", "d2o", "quest", "think", "rkv", "kvzip")
+
+
+@pytest.mark.parametrize(("family", "methods"), [("gemma2", OTHER_FAMILY_METHODS), ("gpt_oss", OTHER_FAMILY_METHODS),
                                                  ("mistral", ("fullkv",))])
 def test_the_captured_step_decodes_as_the_default_path_on_other_families(family, methods, capturable):
     """Gemma 2 (soft-cap, alternating windows), GPT-OSS (sinks, alternating windows) and Mistral (every layer slides:
     FullKV keeps each layer's window; a method inside the windows is refused, test_decode_mode): the captured step's
-    tokens and bytes are the host-driven path's. The toys' soft-cap and sinks are made large enough to matter."""
+    tokens, bytes and resident curve are the host-driven path's, for a step of each kind. The toys' soft-cap and sinks
+    are made large enough to matter."""
     model = _amplified(family)
     for method in methods:
         budget = None if method == "fullkv" else 64
-        eager, _ = _generate(model, method, budget, False, [_prompt(300)], new=24)
-        static, _ = _generate(model, method, budget, "eager", [_prompt(300)], new=24)
+        eager, eager_session = _generate(model, method, budget, False, [_prompt(300)], new=24)
+        static, static_session = _generate(model, method, budget, "eager", [_prompt(300)], new=24)
         assert static.tokens == eager.tokens, method
         assert static.resident_kv_bytes_final == eager.resident_kv_bytes_final, method
+        assert static_session.stats.resident_curve == eager_session.stats.resident_curve, method
 
 
 @pytest.mark.parametrize("fields", [{}, {"sink_size": 40, "recent_ratio": 0.1, "exclude_last": 2},
