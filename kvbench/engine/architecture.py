@@ -64,10 +64,10 @@ def _config_window(config: Any, layer_idx: int) -> int | None:
     return int(window) if getattr(config, "model_type", None) in CONFIG_WIDE_WINDOW else None
 
 
-def config_sliding_layers(config: dict[str, Any]) -> list[int] | None:
-    """The layers a model slides on, read from its ``config.json`` dict alone (before any weight loads; a
-    multimodal config's ``text_config``), or None where it does not say how many layers it has. The session reads
-    the modules themselves and checks the reading against the mask the model builds."""
+def config_layer_windows(config: dict[str, Any]) -> dict[int, LayerAttention] | None:
+    """Every layer's window, read from a model's ``config.json`` dict alone (before any weight loads; a multimodal
+    config's ``text_config``), or None where it does not say how many layers it has. Windows only: the session reads
+    the modules themselves (soft-cap, sinks) and checks the windows against the mask the model builds."""
     from types import SimpleNamespace
 
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
@@ -77,7 +77,7 @@ def config_sliding_layers(config: dict[str, Any]) -> list[int] | None:
     if not isinstance(layers, int):
         return None
     view = SimpleNamespace(**text)
-    return [i for i in range(layers) if _config_window(view, i) is not None]
+    return {i: LayerAttention(window=_config_window(view, i)) for i in range(layers)}
 
 
 def layer_attention(config: Any, module: Any) -> LayerAttention:

@@ -332,21 +332,19 @@ def _sliding_refusal(cfg: DictConfig, spec: Any) -> str | None:
     """Why a method may not act inside the model's sliding windows in the captured step, read from the model's config
     (``model_config``: from the hub only where the model runs on CUDA, as it is about to load there; a config this
     machine cannot read leaves it to the session, which refuses when the model is loaded)."""
-    from kvbench.engine.architecture import LayerAttention, compressed_layers, config_sliding_layers, resolve_policy
+    from kvbench.engine.architecture import compressed_layers, config_layer_windows, resolve_policy
     from kvbench.models import resolve_device
     from kvbench.models.loading import model_config
 
     config = model_config(spec, network=resolve_device(spec.device) == "cuda")
-    sliding = config_sliding_layers(config) if config is not None else None
-    if not sliding:
+    specs = config_layer_windows(config) if config is not None else None
+    if not specs:
         return None
-    total = (config.get("text_config") or config).get("num_hidden_layers", 0)
-    specs = {i: LayerAttention(window=1 if i in sliding else None) for i in range(total)}
     policy = cfg.get("sliding_layers", "auto")
-    inside = [i for i in compressed_layers(specs, resolve_policy(policy, specs)) if i in sliding]
-    if not inside:
+    if not any(specs[i].sliding for i in compressed_layers(specs, resolve_policy(policy, specs))):
         return None
-    return (f"model {spec.name!r} slides on {len(sliding)} of its {total} layers and sliding_layers={policy} lets "
+    sliding = sum(s.sliding for s in specs.values())
+    return (f"model {spec.name!r} slides on {sliding} of its {len(specs)} layers and sliding_layers={policy} lets "
             "the method act inside their windows, which the captured step does not run (sliding_layers=window leaves "
             "those layers to their window)")
 
