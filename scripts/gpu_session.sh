@@ -135,7 +135,11 @@ fi
 export PYTHONPATH="$bundle/site:$src${PYTHONPATH:+:$PYTHONPATH}"
 export KVBENCH_CACHE_DIR="$bundle/cache" KVBENCH_RESULTS_DIR="$out/results"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled PIP_NO_INDEX=1
-start=$SECONDS
+# whole seconds since the session began, from one clock read at its start (bash 5's microsecond EPOCHREALTIME; bash's
+# $SECONDS ticks on whole wall-clock seconds, so two reads 10 ms apart could differ by one)
+now_us() { if [ -n "${EPOCHREALTIME:-}" ]; then local t=${EPOCHREALTIME/[.,]/}; echo $((10#$t)); else echo $((SECONDS * 1000000)); fi; }
+start_us=$(now_us)
+elapsed() { echo $((($(now_us) - start_us) / 1000000)); }
 status=0
 : > "$out/summary.txt"
 
@@ -155,14 +159,15 @@ fi
 
 # step NAME SECONDS CMD...: run under `timeout`, log to logs/NAME.log (and the terminal), record the outcome
 step() {
-    local name="$1" seconds="$2" t0=$SECONDS rc
+    local name="$1" seconds="$2" t0 rc
+    t0=$(elapsed)
     shift 2
-    echo "== $name (timeout ${seconds}s): $*"
+    echo "== $name (timeout ${seconds}s, at ${t0}s): $*"
     timeout --kill-after=15 "$seconds" "$@" 2>&1 | tee "$out/logs/${name//:/-}.log"
     rc=${PIPESTATUS[0]}
     local verdict="ok"
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then verdict="timed out after ${seconds}s"; elif [ "$rc" -ne 0 ]; then verdict="failed (exit $rc)"; fi
-    printf '%-8s %-28s %4ss  %s\n' "$name" "$verdict" "$((SECONDS - t0))" "$*" | tee -a "$out/summary.txt"
+    printf '%-8s %-28s %4ss  %s\n' "$name" "$verdict" "$(($(elapsed) - t0))" "$*" | tee -a "$out/summary.txt"
     return "$rc"
 }
 
@@ -191,7 +196,7 @@ for name in "${later[@]}"; do
     later=("${later[@]:1}")
     kept=0
     for next in "${later[@]}"; do kept=$((kept + $(reserve "$next"))); done
-    left=$((total - (SECONDS - start) - 20 - kept))
+    left=$((total - $(elapsed) - 20 - kept))
     [ "$left" -lt 60 ] && left=60
     case "$name" in
         check)
@@ -205,5 +210,5 @@ for name in "${later[@]}"; do
             step prefill "$left" "$python" -m kvbench.bench "${prefill_args[@]}" || status=1 ;;
     esac
 done
-echo "kvbench session: $((SECONDS - start)) s; $( [ $status -eq 0 ] && echo 'every step passed' || echo 'a step failed' ) (summary.txt); results in $out"
+echo "kvbench session: $(elapsed) s; $( [ $status -eq 0 ] && echo 'every step passed' || echo 'a step failed' ) (summary.txt); results in $out"
 exit $status

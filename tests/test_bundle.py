@@ -356,7 +356,10 @@ def test_the_session_runs_the_steps_it_is_given_in_their_order_with_their_time(t
     """KVBENCH_SESSION_STEPS picks and orders the steps after the install; by default the decode bench's headline grid
     first (bench:0 runs it alone), the prefill bench, the decode bench's other grids, the check. Each step gets the
     total but what the steps after it keep (the prefill bench 150 s, any other 60 s), the check at most its own share;
-    a step it does not know is refused in one line before anything runs. A stub python records what each step ran."""
+    a step it does not know is refused in one line before anything runs. A stub python records what each step ran.
+    Each step's header states the whole seconds elapsed when it began, and its timeout is exactly its share less them
+    (on one clock read, so a tick between two reads cannot shift a timeout)."""
+    import re
     import subprocess
 
     calls = tmp_path / "calls.txt"
@@ -380,6 +383,23 @@ def test_the_session_runs_the_steps_it_is_given_in_their_order_with_their_time(t
         ran = [line for line in calls.read_text().splitlines() if not line.startswith("-c")]
         return proc, out, ran
 
+    def timeouts(stdout):
+        """{step: (timeout, seconds elapsed at its start)} from the steps' headers."""
+        found = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"^== (\S+) \(timeout (\d+)s, at (\d+)s\)", stdout,
+                                                                   re.M)}
+        assert all(at < 10 for _, at in found.values()), stdout  # a stub's steps take no time
+        return found
+
+    def assert_timeouts(stdout, planned):
+        """Each step's timeout is its planned share (at second 0) less the whole seconds elapsed at its start; the
+        check's is its cap (200 s), far below what is left for it here."""
+        found = timeouts(stdout)
+        assert set(found) >= set(planned), stdout
+        for name, seconds in planned.items():
+            timeout, at = found[name]
+            expected = seconds if name == "check" else seconds - at
+            assert timeout == expected, (name, timeout, at, stdout)
+
     proc, out, ran = session(None)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [r.split()[1] if r.startswith("-m") else r.split()[0] for r in ran] == [
@@ -389,20 +409,19 @@ def test_the_session_runs_the_steps_it_is_given_in_their_order_with_their_time(t
     summary = [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()]
     assert summary == ["install", "bench:0", "prefill", "bench", "check"]
     assert (out / "logs" / "bench-0.log").exists()
-    for name, seconds in [("bench:0", 190), ("prefill", 340), ("bench", 400), ("check", 200)]:
-        assert f"== {name} (timeout {seconds}s)" in proc.stdout, proc.stdout
+    assert_timeouts(proc.stdout, {"bench:0": 190, "prefill": 340, "bench": 400, "check": 200})
 
     proc, out, ran = session("bench,prefill")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()] == [
         "install", "bench", "prefill"]
-    assert "== bench (timeout 310s)" in proc.stdout and "== prefill (timeout 460s)" in proc.stdout
+    assert_timeouts(proc.stdout, {"bench": 310, "prefill": 460})
 
     proc, out, ran = session("prefill,check,bench")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[0] for line in (out / "summary.txt").read_text().splitlines()] == [
         "install", "prefill", "check", "bench"]
-    assert "== prefill (timeout 340s)" in proc.stdout and "== check (timeout 200s)" in proc.stdout
+    assert_timeouts(proc.stdout, {"prefill": 340, "check": 200})
 
     proc, out, ran = session("check,benhc")
     assert proc.returncode == 2 and not out.exists() and ran == []
