@@ -82,6 +82,32 @@ def test_toy_graph_equals_eager(toy_llama, name, rows):
     assert session._decode_compressor.compressions == eager_session._decode_compressor.compressions
 
 
+@pytest.mark.parametrize("name", ["snapkv", "rkv"])
+def test_a_generation_ending_before_a_compression_in_the_steps_run_past_it(toy_llama, name):
+    """The captured loop reads the chosen ids every 16 steps: a row that ends (a task's stop string, after 13 tokens)
+    leaves it running on to the read, through the 16th step's compression (interval 8, target 48: the cache of a
+    90-token prompt compressed to 48 grows by one per step). The record is the generation's: the final resident bytes
+    and curve are what the host-driven path holds where it stopped, not what the slots hold after the extra steps and
+    their compression (before, the final bytes were those)."""
+    b = Budget.parse(48)
+    runs = {}
+    for compile in (False, "eager"):
+        method = _method(name, b, 8, 6)
+        with CompressionSession(toy_llama, method, b, compile=compile) as session:
+            out = greedy_generate(toy_llama, [_prompt(90)], 60, [], 0,
+                                  should_stop=lambda row, tokens: len(tokens) >= 13)
+        runs[compile] = (out, session.stats.resident_curve, dict(session._decode_compressor.compressions))
+    (eager, eager_curve, eager_n), (captured, captured_curve, captured_n) = runs[False], runs["eager"]
+    assert captured.tokens == eager.tokens and len(eager.tokens[0]) == 13
+    assert captured_curve == eager_curve
+    assert captured.resident_kv_bytes_final == eager.resident_kv_bytes_final
+    from kvbench.engine import graph
+
+    if graph.STATUS.get("captured"):  # the extra steps ran, a compression among them
+        assert captured.decode_steps > eager.decode_steps
+        assert all(len(captured_n[i]) == len(eager_n[i]) + 1 for i in eager_n), (captured_n, eager_n)
+
+
 @pytest.mark.parametrize("name", ["snapkv", "adakv", "rkv"])
 def test_toy_sampled_graph_equals_eager(toy_llama, name):
     """Sampled (temperature 0.6, top_p 0.95): each read block's uniforms are drawn before it, its sub-blocks cut at

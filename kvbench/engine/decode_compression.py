@@ -95,6 +95,21 @@ class CapturedCompression:
         self.scaling: dict[int, float] = {}
         self.count = 0  # decode steps since the last compression
         self.written = 0  # decode steps written into the rings
+        #: per decode step, the entries each layer held after it (``log``), the last ``LOG_STEPS`` steps: where the
+        #: generation ended (the captured loop runs up to a read block past it) for its final resident bytes
+        self.held: dict[int, dict[int, int]] = {}
+
+    #: steps of ``held`` kept: more than a read block (``engine.graph.READ_EVERY``) of steps run past the end
+    LOG_STEPS = 64
+
+    def log(self, step: int, layer_idx: int, entries: int) -> None:
+        """Layer ``layer_idx`` held ``entries`` entries after decode step ``step``."""
+        self.held.setdefault(step, {})[layer_idx] = entries
+        self.held.pop(step - self.LOG_STEPS, None)
+
+    def held_at(self, step: int, layer_idx: int) -> int:
+        """The entries layer ``layer_idx`` held after decode step ``step`` (one of the last ``LOG_STEPS``)."""
+        return self.held[step][layer_idx]
 
     def write(self, layer_idx: int, query: torch.Tensor) -> None:
         """The step's query ``(B, Hq, 1, D)`` into the layer's ring at its next column (no host read)."""

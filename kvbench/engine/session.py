@@ -622,7 +622,8 @@ class CompressionSession:
         """The generation ended after ``steps`` decode forwards, where the captured loop, which reads the chosen ids
         every few steps, ran a few more past the last row's end (their ids are dropped). The resident curve and the
         static layers' counts (the final resident bytes) are cut back to that step, as the host-driven path ended
-        there; a layer compressed during decode keeps what it holds (a compression in the extra steps is done)."""
+        there; a layer compressed during decode reports what it held after that step (its slots keep what the extra
+        steps appended and compressed: done, not the generation's)."""
         curve = self.stats.resident_curve
         if not curve or curve[-1][0] <= steps:
             return
@@ -636,6 +637,8 @@ class CompressionSession:
         for idx in self._occupancy:
             if idx in self._static and idx not in fill:
                 self._layers[idx].entries = self._static_entries(idx, steps)
+            elif idx in fill:  # what it held after that step (its slots keep the later steps' entries and compressions)
+                self._layers[idx].entries = self._captured_compression.held_at(steps, idx)
 
     def _static_entries(self, idx: int, step: int) -> int:
         """The entries static layer ``idx`` holds after decode step ``step`` (``_occupancy``: what it held when it
@@ -913,6 +916,7 @@ class CompressionSession:
                 continue
             if i in fill:
                 count = fill[i]
+                self._captured_compression.log(step, i, count)
             elif i in self._static and i in self._occupancy:
                 count = self._static_entries(i, step)
             else:
