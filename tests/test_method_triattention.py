@@ -1,6 +1,7 @@
 """TriAttention in kvbench's engine: the session's cross-layer hook runs the authors' schedule (resident KV bounded by
-budget + divide_length, one kept set per KV head in every layer), bad input is refused in one line, and the captured
-decode step refuses it. Parity with the authors' code: tests/test_parity_triattention_official.py."""
+budget + divide_length, one kept set per KV head in every layer), on the host-driven path and with the captured decode
+step (the layers append inside the graph, the host compresses between blocks of captured steps), and bad input is
+refused in one line. Parity with the authors' code: tests/test_parity_triattention_official.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from helpers import record_caches, run_job_in, triattention_stats
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
+from kvbench.engine.session import SLOT_ROUND
 from kvbench.errors import ConfigError
 from kvbench.methods import build_method
 from kvbench.models.tiny import build_tiny_llama, resolve_tiny
@@ -29,13 +31,14 @@ def _tiny(layers=3, heads=4, kv_heads=2, head_dim=16):
                             attn_implementation="sdpa").eval()
 
 
-def _generate(model, fields, budget, prompt_len, new_tokens, monkeypatch):
+def _generate(model, fields, budget, prompt_len, new_tokens, monkeypatch, compile=False, sampling=None):
     b = Budget.parse(budget)
     method = build_method({"name": "triattention", "stats_path": triattention_stats(model), **fields}, b)
     caches = record_caches(monkeypatch)
     prompt = torch.randint(3, 250, (prompt_len,), generator=torch.Generator().manual_seed(3)).tolist()
-    with CompressionSession(model, method, b) as session:
-        out = greedy_generate(model, [prompt], new_tokens, [], 0)
+    with CompressionSession(model, method, b, compile=compile) as session:
+        out = greedy_generate(model, [prompt], new_tokens, [], 0, sampling=sampling,
+                              seeds=None if sampling is None else [11])
     return method, session.stats, out, caches[-1]
 
 
@@ -111,8 +114,6 @@ def test_bad_fields_are_one_line(fields, budget, message):
     (["method=triattention", "method.stats_path=/nonexistent/s.pt"], "stats_path='/nonexistent/s.pt' does not exist"),
     (["method=triattention", f"method.stats_path={SMOL_STATS}", "batch_size=2"], "method 'triattention' is defined "
                                                                                  "per sequence; use batch_size=1"),
-    (["method=triattention", f"method.stats_path={SMOL_STATS}", "engine.decode=graph"], "method 'triattention' has "
-                                                                                  "no captured decode step"),
 ])
 def test_cli_refuses_before_the_model_loads(tmp_path, args, message, monkeypatch):
     monkeypatch.setenv("KVBENCH_FAULT", "model_load:1")  # reaching the model's load would SIGKILL the process
@@ -123,10 +124,92 @@ def test_cli_refuses_before_the_model_loads(tmp_path, args, message, monkeypatch
     assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
 
 
-def test_no_captured_decode_step():
-    method = build_method({"name": "triattention", "stats_path": SMOL_STATS}, Budget.parse(128))
-    assert method.static_policy(256) is None and method.acts_after_decode_forward()
-    assert "after_decode_forward" in method.static_refusal()
+def _kept(cache) -> list[list[list[int]]]:
+    """Per layer, each KV head's kept positions in order (a static layer's valid slots, wherever they are)."""
+    out = []
+    for layer in cache.layers:
+        valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+        out.append([sorted(p[v].tolist()) for p, v in zip(layer.positions[0], valid[0])])
+    return out
+
+
+@pytest.mark.parametrize(("fields", "budget", "prompt_len", "new_tokens", "sampled"), [
+    ({"divide_length": 16}, 48, 40, 150, False),  # slack trigger: 8 compressions, at steps 24, 40, ..., 136
+    ({"divide_length": 16, "use_slack_trigger": False}, 48, 40, 60, False),  # at the budget, every 16 tokens seen
+    ({"divide_length": 16}, 32, 50, 40, False),  # a prompt beyond the budget: the first (host-driven) step compresses
+    ({"divide_length": 12}, 40, 30, 70, True),  # sampled (its tasks' temperature 0.6, top-p 0.95): cuts mid-block
+])
+def test_the_captured_decode_runs_the_schedule_between_its_blocks(fields, budget, prompt_len, new_tokens, sampled,
+                                                                    monkeypatch):
+    """engine.decode=graph: every layer appends inside the captured step; at the forward the schedule names
+    (``after_decode_forward_due``) the host cuts the block of captured steps and compresses every layer as the
+    host-driven path does (``_after_forward_captured``). The tokens, the resident curve, the final bytes, the number
+    of compressions and each layer's kept positions per KV head are the host-driven path's; the step is one graph for
+    the whole generation (its slots sized by the schedule: budget + divide_length), never recompiled."""
+    from torch._dynamo.utils import counters
+
+    from kvbench.engine import graph
+    from kvbench.engine.sampling import Sampling
+
+    model = _tiny()
+    sampling = Sampling(0.6, 0.95, 0) if sampled else None
+    eager = _generate(model, fields, budget, prompt_len, new_tokens, monkeypatch, sampling=sampling)
+    phases = []
+    real = CompressionSession._after_forward_captured
+    monkeypatch.setattr(CompressionSession, "_after_forward_captured",
+                        lambda self, later: phases.append(self._decode_step) or real(self, later))
+    torch._dynamo.reset()
+    counters.clear()
+    graph.STATUS.clear()
+    captured = _generate(model, fields, budget, prompt_len, new_tokens, monkeypatch, compile="eager",
+                         sampling=sampling)
+    (em, es, eo, ec), (cm, cs, co, cc) = eager, captured
+    assert co.tokens == eo.tokens and cs.resident_curve == es.resident_curve
+    assert co.resident_kv_bytes_final == eo.resident_kv_bytes_final
+    assert cm.compressions == em.compressions >= 2 and len(phases) == cm.compressions
+    assert _kept(cc) == _kept(ec)
+    if graph.STATUS.get("captured"):  # (torch 2.6 with transformers 5.6 runs the step uncompiled)
+        assert counters["stats"]["unique_graphs"] == 1
+        # the most a layer holds (budget + divide_length, or the prompt and the first step's token), rounded up to
+        # SLOT_ROUND where the budget holds the prompt (a slot count the prompt's length could set)
+        need = max(budget + fields["divide_length"], prompt_len + 1)
+        assert {layer.keys.shape[2] for layer in cc.layers} == {need + (-need % SLOT_ROUND if budget >= prompt_len
+                                                                         else 0)}
+
+
+@pytest.mark.parametrize("stop_at", [21, 36])
+def test_a_generation_ending_before_a_compression_in_the_steps_run_past_it(stop_at):
+    """The captured loop reads the chosen ids every 16 steps, so it runs past the step where the row ended (a task's
+    stop string here: after 21 or 36 tokens), and the steps past it append and, at step 24 or 40, compress. The
+    record is the generation's: the final resident bytes and the resident curve are what the host-driven path holds
+    where it stopped (before, the final bytes were what the slots held after the extra steps)."""
+    model = _tiny()
+    b = Budget.parse(48)
+    prompt = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = {}
+    for compile in (False, "eager"):
+        method = build_method({"name": "triattention", "stats_path": triattention_stats(model), "divide_length": 16},
+                              b)
+        with CompressionSession(model, method, b, compile=compile) as session:
+            out = greedy_generate(model, [prompt], 100, [], 0, should_stop=lambda row, tokens: len(tokens) >= stop_at)
+        runs[compile] = (out, session.stats.resident_curve, method.compressions)
+    (eager, eager_curve, eager_n), (captured, captured_curve, captured_n) = runs[False], runs["eager"]
+    assert captured.tokens == eager.tokens and len(eager.tokens[0]) == stop_at
+    assert captured_curve == eager_curve and eager_curve[-1][0] == stop_at - 1
+    assert captured.resident_kv_bytes_final == eager.resident_kv_bytes_final
+    from kvbench.engine import graph
+
+    if graph.STATUS.get("captured"):  # the extra steps ran, one compression among them
+        assert captured.decode_steps > eager.decode_steps and captured_n == eager_n + 1
+
+
+def test_the_captured_step_is_triattentions_schedule():
+    """The captured decode's contract: an appending step (``StaticPolicy()``) and the schedule on host counts."""
+    method = build_method({"name": "triattention", "stats_path": SMOL_STATS, "divide_length": 16},
+                          Budget.parse(128))
+    method.start(100, 128, 9, torch.ones(32))
+    assert method.static_policy(256) is not None and method.has_static_step() and method.acts_on_schedule()
+    assert [e for e in range(130, 150) if method.after_decode_forward_due(e, e)] == list(range(144, 150))
 
 
 @pytest.mark.slow

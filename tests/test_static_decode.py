@@ -21,13 +21,21 @@ from kvbench.methods import build_method
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
           "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o",
-          "lminfinite", "kvzip", "roco"]
+          "lminfinite", "kvzip", "roco", "triattention"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
 #: ThinK's keys keep half their channels: its default inner SnapKV (no probabilities: the fused kernel over the kept
 #: channels) and H2O (probabilities accumulated and an eviction every step over them)
+#: TriAttention compresses every layer after the forward where they hold budget + 16 (its host phase between captured
+#: steps: 3 of them in the 66-step test, the first at the 40-token prompt's 24th step)
 FIELDS = {"omnikv": {"filter_layers": [0]}, "adakv": {"layout": "padded"},
-          "think+h2o": {"name": "think", "inner": {"name": "h2o"}}}
+          "think+h2o": {"name": "think", "inner": {"name": "h2o"}}, "triattention": {"divide_length": 16}}
+
+
+def _fields(model, name: str, fields: dict | None) -> dict:
+    from helpers import method_fields
+
+    return {"name": name, **method_fields(name, model), **FIELDS.get(name, {}), **(fields or {})}
 
 
 def _prompt(n=200, seed=1):
@@ -38,7 +46,7 @@ def _generate(model, name, budget, compile, prompts, new=32, fields=None, after_
     from helpers import ByteTokenizer
 
     b = Budget.parse(budget)
-    method = build_method({"name": name, **FIELDS.get(name, {}), **(fields or {})}, b)
+    method = build_method(_fields(model, name, fields), b)
     tokenizer = ByteTokenizer() if method.needs_reconstruction else None  # KVzip's repeat prompt, in toy ids
     with CompressionSession(model, method, b, compile=compile, tokenizer=tokenizer) as session:
         out = greedy_generate(model, prompts, new, [], 0, after_each_step)
@@ -131,7 +139,7 @@ def _capture_counts(model, method, budget, prompts, new, fields=None):
     from helpers import ByteTokenizer
 
     b = Budget.parse(budget)
-    m = build_method({"name": method, **FIELDS.get(method, {}), **(fields or {})}, b)
+    m = build_method(_fields(model, method, fields), b)
     tokenizer = ByteTokenizer() if m.needs_reconstruction else None
     with CompressionSession(model, m, b, compile="eager", tokenizer=tokenizer) as session:
         out = greedy_generate(model, prompts, new, [], 0, after_each_step)
@@ -196,7 +204,7 @@ def test_the_captured_step_writes_static_addresses_only(toy_llama, method):
     is copied into or out of the graph per step. (The per-layer compiled step marked nothing: inductor skipped CUDA
     graphs for its mutated inputs.)"""
     b = Budget.parse(None if method == "fullkv" else 64)
-    m = build_method({"name": method, **FIELDS.get(method, {})}, b)
+    m = build_method(_fields(toy_llama, method, None), b)
     marked = {}
     real_mark = graph.mark_static
 
@@ -237,7 +245,7 @@ def test_no_host_read_inside_a_captured_step(toy_llama, monkeypatch, capturable)
     for method in ("h2o", "d2o", "quest", "think+h2o"):
         graphs.clear(), reads.clear()
         b = Budget.parse(64)
-        with CompressionSession(toy_llama, build_method({"name": method, **FIELDS.get(method, {})}, b), b,
+        with CompressionSession(toy_llama, build_method(_fields(toy_llama, method, None), b), b,
                                 compile=recorder):
             out = greedy_generate(toy_llama, [_prompt()], 50, [], 0)
         assert out.decode_steps == 49 and len(graphs) == 1

@@ -71,6 +71,11 @@ def decode_context(layer, queries: torch.Tensor, target: int, layer_idx: int, nu
     )
 
 
+#: steps ahead the host looks for a method's next scheduled ``after_decode_forward`` (``CapturedCompression.due_in``):
+#: past it a block of captured steps runs whole (a block is at most ``engine.graph.READ_EVERY`` steps)
+DUE_HORIZON = 256
+
+
 class CapturedCompression:
     """Compression during decode with the captured decode step (``engine.decode=graph``): the state of one generation.
 
@@ -81,11 +86,21 @@ class CapturedCompression:
     compress at the same step: the host cuts the captured loop there (``due_in``) and compresses each layer eagerly
     (the session's ``_compress_captured``) with the ring's newest ``min(count, R)`` queries in step order
     (``queries``): ``DecodeCompressor``'s buffer at its compressions (appended, then trimmed to ``query_buffer``
-    after each step, cleared at a compression)."""
+    after each step, cleared at a compression).
 
-    def __init__(self, spec: DecodeCompression):
+    A method whose cross-layer ``after_decode_forward`` acts at forwards that host counts name (``Method.
+    after_decode_forward_due``: TriAttention's trigger on the entries held and the tokens seen) runs the same way
+    with ``due`` instead of ``spec``: the layers append, no query is kept, the host cuts the captured loop at the
+    forward where ``due(entries, seen)`` holds and calls ``after_decode_forward`` there with every compressed layer as
+    the host-driven path holds it (the session's ``_after_forward_captured``)."""
+
+    def __init__(self, spec: DecodeCompression | None, due: Callable[[int, int], bool] | None = None):
+        if (spec is None) == (due is None):
+            raise ValueError("CapturedCompression: a decode compression's spec or a method's schedule, one of them")
         self.spec = spec
-        self.ring_len = min(spec.interval, spec.query_buffer + 1)
+        #: the method's schedule (``Method.after_decode_forward_due``), or None for a per-layer decode compression
+        self.due = due
+        self.ring_len = 0 if spec is None else min(spec.interval, spec.query_buffer + 1)
         #: per compressing layer: the host's ``KVLayer`` the method compresses (the prefill's own object, so a method
         #: that remembers its layer between compressions, R-KV's code order, sees the one it saw), the ring's base and
         #: its next column (a 0-d device tensor), the slots in use (host ints)
@@ -116,6 +131,21 @@ class CapturedCompression:
         base, column = self.rings[layer_idx]
         base[: query.shape[0]].index_copy_(2, column.view(1), query)
         column.copy_((column + 1) % base.shape[2])
+
+    def due_in(self, entries: int, seen: int, horizon: int = DUE_HORIZON) -> int | None:
+        """Under a method's schedule: the decode steps from a layer holding ``entries`` entries with ``seen`` tokens
+        seen until the forward after which the method acts (1: the next one), or None within ``horizon`` steps."""
+        return next((k for k in range(1, horizon + 1) if self.due(entries + k, seen + k)), None)
+
+    def extra_slots(self, held: int, seen: int, budget: Budget, reserve: int) -> int:
+        """Free slots a layer holding ``held`` entries (``seen`` tokens seen) needs after them until its first
+        compression in a generation appending up to ``reserve`` tokens: up to its target (or what it holds) plus one
+        interval; under a method's schedule, up to the forward it acts at (every token where it does not within
+        ``reserve``; a layout that then needs more grows: the session's ``_grow_captured``)."""
+        if self.due is not None:
+            return max(1, self.due_in(held, seen, reserve) or reserve)
+        target = self.spec.target(1 << 40, budget)  # the most: not a ratio (graph_refusal)
+        return max(1, min(reserve, max(held, target) + self.interval(target) - held))
 
     def interval(self, target: int) -> int:
         """Steps between compressions (a target of one entry: every step, as ``DecodeCompressor``'s forward of at

@@ -29,8 +29,10 @@ appends (``StaticKVLayer.fill``) and its step writes its post-RoPE query into a 
 (``engine.decode_compression.CapturedCompression``); the host cuts a read block's steps at every ``interval``-th step
 (``session.compression_due_in``) and, between two captured steps, compresses every layer eagerly through the eager
 path's code on the slots laid out as the eager layer holds them, then writes the result back into the same slots (one
-host phase per interval; the graph is not recompiled). A sampled block's uniforms are drawn for the whole read block
-before it, and its sub-blocks read their columns on.
+host phase per interval; the graph is not recompiled). A method whose cross-layer ``after_decode_forward`` acts at
+forwards host counts name (``Method.after_decode_forward_due``: TriAttention) runs the same way: its layers append,
+the host cuts the block at that forward and calls the method on the layers as the eager path holds them. A sampled
+block's uniforms are drawn for the whole read block before it, and its sub-blocks read their columns on.
 
 The first decode step of a generation runs on the host-driven path (``CompressionSession``'s per-layer attention), where
 the session checks that the method compressed (compression is verified, never assumed) and D2O's official reading

@@ -100,15 +100,16 @@ class SessionStats:
 
 
 def _extra_slots(policy: StaticPolicy, caps: list[int], held: int, compression, budget: Budget,
-                 reserve: int) -> int:
+                 reserve: int, seen: int | None = None) -> int:
     """Free slots after the ``held`` entries of a layer turned static for a generation that appends up to ``reserve``
     tokens: an evicting layer needs one slot for the step's token, or more where a row may grow before it evicts (a
     capacity above what the layer holds: D2O's rows that the official code never compresses); a layer that never
     evicts, one per token; a layer compressed during decode (``compression``) appends up to its target (or what it
-    holds) plus one interval."""
+    holds) plus one interval, or up to the forward a method's schedule acts at (``seen``: the tokens seen, default
+    ``held``)."""
+    seen = held if seen is None else seen
     if compression is not None:
-        target = compression.spec.target(1 << 40, budget)  # the most: not a ratio (graph_refusal)
-        return max(1, min(reserve, max(held, target) + compression.interval(target) - held))
+        return compression.extra_slots(held, seen, budget, reserve)
     if policy.evict is not None:
         return max(1, min(reserve, max(caps) + 1 - held))
     return max(1, reserve)
@@ -353,6 +354,8 @@ class CompressionSession:
         compression = None
         if self._decode_compressor is not None:
             compression = self._captured_compression = CapturedCompression(self._decode_compressor.spec)
+        elif not self.budget.is_full and self.method.acts_on_schedule():  # after_decode_forward between blocks
+            compression = self._captured_compression = CapturedCompression(None, self.method.after_decode_forward_due)
         plans = []  # per layer: idx, policy, capacities, held, extra slots, compresses in decode, heads differ
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
@@ -366,7 +369,7 @@ class CompressionSession:
             held = layer.num_entries  # a ragged layer: its longest head and the tail
             compresses = compression is not None and idx in self._method_index
             extra = _extra_slots(policy, caps, held, compression if compresses else None, self.budget,
-                                 self._reserve)
+                                 self._reserve, layer.seen)
             job = None if spec.sliding else self._job_slots(idx, policy, caps, compression if compresses else None)
             if job is not None and held + extra <= job:
                 extra = job - held  # the job's longest prompt's count: every sample replays one graph over one buffer
@@ -437,9 +440,10 @@ class CompressionSession:
         device = static.keys.device
         held = layer.num_entries
         static.fill = pool.take(("fill", idx), (), torch.long, device).fill_(held)
-        ring = pool.take(("queries", idx), (rows, self.num_heads, compression.ring_len, static.keys.shape[-1]),
-                         static.keys.dtype, device)
-        compression.rings[idx] = (ring, pool.take(("queries_column", idx), (), torch.long, device).zero_())
+        if compression.spec is not None:  # a method's schedule keeps no queries
+            ring = pool.take(("queries", idx), (rows, self.num_heads, compression.ring_len, static.keys.shape[-1]),
+                             static.keys.dtype, device)
+            compression.rings[idx] = (ring, pool.take(("queries_column", idx), (), torch.long, device).zero_())
         compression.layers[idx] = layer
         compression.fill[idx] = held
         b = layer.keys.shape[0]
@@ -451,6 +455,9 @@ class CompressionSession:
         compression = self._captured_compression
         if compression is None or not compression.layers:
             return None
+        if compression.due is not None:  # the method's schedule, on the first compressed layer's counts
+            first = next(iter(compression.layers))
+            return compression.due_in(compression.fill[first], self._layers[first].seen)
         return self._captured_interval() - compression.count
 
     def _captured_interval(self) -> int:
@@ -463,13 +470,18 @@ class CompressionSession:
         slots in use grow by one and the resident curve gets its point, after a compression where the step is the
         ``interval``-th (then the host compresses every compressing layer: ``_compress_captured``)."""
         compression = self._captured_compression
-        for _ in range(steps):
+        first = next(iter(compression.layers), None)
+        for step in range(steps):
             self._decode_step += 1
             compression.count += 1
             compression.written += 1
             for idx in compression.fill:
                 compression.fill[idx] += 1
-            if compression.layers and compression.count >= self._captured_interval():
+            if compression.due is not None:  # the layers' counts already include every step of the block
+                if first is not None and compression.due(compression.fill[first],
+                                                         self._layers[first].seen - steps + step + 1):
+                    self._after_forward_captured(steps - step - 1)
+            elif compression.layers and compression.count >= self._captured_interval():
                 self._compress_captured()
             self._record_resident(self._decode_step)
 
@@ -491,6 +503,36 @@ class CompressionSession:
             host.keys, host.values = static.keys[:rows, :, : compression.fill[idx]], \
                 static.values[:rows, :, : compression.fill[idx]]  # views: the host copies are freed
             self._decode_compressor.compressions.setdefault(idx, []).append(self._decode_step)
+        compression.count = 0
+
+    def _after_forward_captured(self, later: int) -> None:
+        """The method's ``after_decode_forward`` at a forward its schedule names, between captured steps: every
+        compressed layer as the host-driven path holds it (slots ``[0, fill)``), then the result back into the slots
+        and each layer's slots grown where it needs more before the schedule's next forward. ``later``: steps of the
+        block after this forward (none where the captured loop cut the block here, as it does)."""
+        if later:
+            raise RuntimeError(f"method {self.method.name!r}: its after_decode_forward was due {later} steps before "
+                               "the end of a captured block (the captured loop cuts blocks at compression_due_in)")
+        compression = self._captured_compression
+        rows = next(iter(compression.layers.values())).keys.shape[0]  # the batch's real rows
+        hosts = []
+        for idx in self.compressed:
+            host = compression.layers[idx]
+            self._layers[idx].show_entries(host, rows, compression.fill[idx])
+            hosts.append(host)
+        last = hosts[-1]
+        ctx = DecodeContext(layer_idx=len(hosts) - 1, num_layers=len(hosts), num_kv_heads=last.values.shape[1],
+                            query=None, probs=None, capacity=last.capacity, scaling=None,
+                            rope_inv_freq=self.rope_inv_freq)
+        self.method.after_decode_forward(hosts, ctx)
+        for idx, host in zip(self.compressed, hosts):
+            static = self._layers[idx]
+            need = host.keys.shape[2] + (compression.due_in(host.keys.shape[2], host.seen, self._reserve) or 1)
+            if need > static.keys.shape[2]:
+                self._grow_captured(idx, static, need)
+            compression.fill[idx] = static.hold_entries(host, rows)
+            host.keys, host.values = static.keys[:rows, :, : compression.fill[idx]], \
+                static.values[:rows, :, : compression.fill[idx]]  # views: the host copies are freed
         compression.count = 0
 
     def _grow_captured(self, idx: int, static: StaticKVLayer, need: int) -> None:

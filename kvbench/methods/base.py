@@ -130,7 +130,8 @@ class Method:
         ``auto`` decodes on the host-driven path. FullKV and every method that does nothing after prefill:
         ``StaticPolicy()`` (appended tokens stay)."""
         if type(self).decode is Method.decode and type(self).select is Method.select and \
-                type(self).attend is Method.attend and not self.needs_logits and not self.acts_after_decode_forward():
+                type(self).attend is Method.attend and not self.needs_logits and \
+                (not self.acts_after_decode_forward() or self.acts_on_schedule()):
             from kvbench.engine.static import StaticPolicy
 
             return StaticPolicy()
@@ -229,6 +230,22 @@ class Method:
     def acts_after_decode_forward(cls) -> bool:
         """Whether the method implements ``after_decode_forward`` (the session then calls it)."""
         return cls.after_decode_forward is not Method.after_decode_forward
+
+    def after_decode_forward_due(self, entries: int, seen: int) -> bool:
+        """Whether ``after_decode_forward`` acts after the decode forward that leaves every layer it compresses holding
+        ``entries`` entries with ``seen`` tokens seen (host ints), for a method that acts only at forwards these
+        counts name (TriAttention's trigger) and implements this. The captured decode (``engine.decode=graph``) then
+        runs blocks of captured steps between those forwards, the layers appending, and calls
+        ``after_decode_forward`` on the host at each (``engine.decode_compression.CapturedCompression``), with the
+        layers as the host-driven path holds them and a context without the step's query (it stayed in the graph).
+        A method without it that implements ``after_decode_forward`` may act at any forward: it has no captured
+        step."""
+        raise NotImplementedError(f"method {self.name!r} acts after decode forwards without a schedule")
+
+    @classmethod
+    def acts_on_schedule(cls) -> bool:
+        """Whether the method names the forwards its ``after_decode_forward`` acts at (``after_decode_forward_due``)."""
+        return cls.after_decode_forward_due is not Method.after_decode_forward_due
 
     def observe_logits(self, layers: list[KVLayer], input_ids: torch.Tensor, logits: TokenLogits) -> None:
         """After every forward (prompt or decode step) when ``needs_logits`` is set; default: nothing.

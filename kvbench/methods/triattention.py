@@ -255,9 +255,6 @@ class TriAttention(Method):
             raise ConfigError(f"method {self.name!r}: stats_path={self.stats_path!r} holds statistics of a model with "
                               f"{problem}; {HOW_TO_CALIBRATE}")
 
-    def static_refusal(self) -> str:
-        return "it compresses after each decode forward across all layers (after_decode_forward)"
-
     def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
         """Nothing is evicted at prefill or at the first decode step (the cache must first reach ``budget +
         divide_length``): no check at those points; the resident curve shows the bound."""
@@ -311,6 +308,10 @@ class TriAttention(Method):
         layer = layers[0]
         if self.should_compress(layer.num_entries, layer.seen):
             self.compress(layers)
+
+    def after_decode_forward_due(self, entries: int, seen: int) -> bool:
+        """The trigger on host counts: the captured decode appends between these forwards and compresses at each."""
+        return self.should_compress(entries, seen)
 
     def code_order(self, layer: KVLayer) -> torch.Tensor:
         """``(Hkv, n)`` the positions of the cache in the code's stored order: the order at the last compression, then
