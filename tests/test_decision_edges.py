@@ -267,10 +267,13 @@ class _Session:
 
         return decode_step
 
-    def captured(self, rows, tensors):
+    def captured(self, rows, tensors, column=None, columns=1):
         import contextlib
 
         return contextlib.nullcontext()
+
+    def read_block(self, columns):
+        pass
 
     def graph_cache(self):
         return None

@@ -96,10 +96,12 @@ def test_a_generation_ending_before_a_compression_in_the_steps_run_past_it(toy_l
         with CompressionSession(toy_llama, method, b, compile=compile) as session:
             out = greedy_generate(toy_llama, [_prompt(90)], 60, [], 0,
                                   should_stop=lambda row, tokens: len(tokens) >= 13)
-        runs[compile] = (out, session.stats.resident_curve, dict(session._decode_compressor.compressions))
-    (eager, eager_curve, eager_n), (captured, captured_curve, captured_n) = runs[False], runs["eager"]
+        runs[compile] = (out, session.stats.resident_curve, dict(session._decode_compressor.compressions),
+                         session.stats.attended_tokens_mean)
+    (eager, eager_curve, eager_n, eager_attended), (captured, captured_curve, captured_n, attended) = \
+        runs[False], runs["eager"]
     assert captured.tokens == eager.tokens and len(eager.tokens[0]) == 13
-    assert captured_curve == eager_curve
+    assert captured_curve == eager_curve and attended == pytest.approx(eager_attended)
     assert captured.resident_kv_bytes_final == eager.resident_kv_bytes_final
     from kvbench.engine import graph
 

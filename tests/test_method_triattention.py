@@ -192,10 +192,12 @@ def test_a_generation_ending_before_a_compression_in_the_steps_run_past_it(stop_
                               b)
         with CompressionSession(model, method, b, compile=compile) as session:
             out = greedy_generate(model, [prompt], 100, [], 0, should_stop=lambda row, tokens: len(tokens) >= stop_at)
-        runs[compile] = (out, session.stats.resident_curve, method.compressions)
-    (eager, eager_curve, eager_n), (captured, captured_curve, captured_n) = runs[False], runs["eager"]
+        runs[compile] = (out, session.stats.resident_curve, method.compressions, session.stats.attended_tokens_mean)
+    (eager, eager_curve, eager_n, eager_attended), (captured, captured_curve, captured_n, attended) = \
+        runs[False], runs["eager"]
     assert captured.tokens == eager.tokens and len(eager.tokens[0]) == stop_at
     assert captured_curve == eager_curve and eager_curve[-1][0] == stop_at - 1
+    assert attended == pytest.approx(eager_attended)
     assert captured.resident_kv_bytes_final == eager.resident_kv_bytes_final
     from kvbench.engine import graph
 

@@ -371,11 +371,12 @@ def test_methods_without_a_static_step_are_refused(toy_llama, method, fields):
     assert m.static_refusal() in str(refused.value)
 
 
-@pytest.mark.parametrize("method", ["fullkv", "h2o"])
+@pytest.mark.parametrize("method", ["fullkv", "h2o", "quest"])
 def test_the_steps_run_past_the_end_are_not_the_generations(toy_llama, method):
     """The captured loop reads the chosen ids every 16 steps, so it runs up to 15 decode steps past the step where
     every row ended (their ids are dropped, and the timing counts them: they ran). The memory a record reports is the
-    generation's: the resident curve and the final bytes stop where the host-driven path stopped."""
+    generation's: the resident curve and the final bytes stop where the host-driven path stopped, and so do the
+    entries attended per step (the steps run past the end are taken back from the sums)."""
     b = Budget.parse(None if method == "fullkv" else 64)
     free, _ = _generate(toy_llama, method, b.label(), False, [_prompt()], new=40)
     tokens = free.tokens[0]
@@ -384,13 +385,16 @@ def test_the_steps_run_past_the_end_are_not_the_generations(toy_llama, method):
     for compile in (False, "eager"):
         with CompressionSession(toy_llama, build_method({"name": method}, b), b, compile=compile) as session:
             out = greedy_generate(toy_llama, [_prompt()], 40, [eos], 0)
-        runs[compile] = (out, session.stats.resident_curve)
-    (eager, eager_curve), (captured, captured_curve) = runs[False], runs["eager"]
+        runs[compile] = (out, session.stats.resident_curve, session.stats.attended_tokens_mean,
+                         session.stats.decode_layer_calls)
+    (eager, eager_curve, eager_attended, eager_calls), (captured, captured_curve, attended, calls) = \
+        runs[False], runs["eager"]
     assert captured.tokens == eager.tokens and len(eager.tokens[0]) < 20
     if graph.STATUS.get("captured"):  # (torch 2.6 with transformers 5.6 runs the step uncompiled: nothing runs past)
         assert captured.decode_steps > eager.decode_steps
     assert captured_curve == eager_curve
     assert captured.resident_kv_bytes_final == eager.resident_kv_bytes_final
+    assert calls == eager_calls and attended == pytest.approx(eager_attended)
 
 
 def _amplified(family: str):

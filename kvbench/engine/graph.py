@@ -194,7 +194,7 @@ def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.
     buffers = StepBuffers.allocate(next_token, last_pos + 1, bucket(rows), read_every, pool, sampling)
     fn = session.captured_step_function()
     done = 0
-    with session.captured(bucket(rows), buffers.tensors()):
+    with session.captured(bucket(rows), buffers.tensors(), buffers.step, read_every):
         kw = cache_kwargs(model, session.graph_cache())
         while done < steps:
             chunk = min(read_every, steps - done)
@@ -212,6 +212,7 @@ def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.
                 session.advance(part)
                 i += part
             columns = read_chosen(buffers, rows, 0, chunk)  # every chunk starts the ring at column 0
+            session.read_block(chunk)
             done += chunk
             if take(columns):
                 break

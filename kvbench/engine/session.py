@@ -145,7 +145,9 @@ class CompressionSession:
         #: PrefillContext.few_kernels: None = on CUDA (launch-bound) only; True/False forces a form (tests, benches)
         self.few_kernels = few_kernels
         self._graph_live = False  # the captured decode steps are running (engine/graph.py)
-        self._attended_acc: torch.Tensor | None = None  # their attended entries, summed on the device
+        self._attended_acc: torch.Tensor | None = None  # their attended entries per step of a read block (device)
+        self._attended_column: torch.Tensor | None = None  # the step's column of the block (the step buffer's)
+        self._last_block: torch.Tensor | None = None  # the last read block's per-step sums (generation_ended)
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
         self._row_bases: dict[tuple, torch.Tensor] = {}  # capacities and selections at the batch bucket's rows
         #: static layer -> (decode step it turned static at, entries it held then, the most it holds or None)
@@ -614,10 +616,12 @@ class CompressionSession:
         return self._cache
 
     @contextlib.contextmanager
-    def captured(self, rows: int, tensors: list[torch.Tensor]):
+    def captured(self, rows: int, tensors: list[torch.Tensor], column: torch.Tensor | None = None, columns: int = 1):
         """While the captured steps run: the static layers at ``rows`` rows (a batch bucket), written by the step's
         attention, every buffer a static address, the model on the ``kvbench_graph`` attention (no mask built, no
-        cache length read), the session's hooks idle (the first decode step checked what they check)."""
+        cache length read), the session's hooks idle (the first decode step checked what they check). The entries
+        the steps attend are summed per step of a read block (``column``: the step's column of the block, a 0-d
+        device tensor of ``columns``; ``read_block`` adds them up after each read)."""
         from kvbench.engine.graph import mark_static
 
         layers = [self._layers[i] for i in sorted(self._attention_layers)]
@@ -626,12 +630,15 @@ class CompressionSession:
             layer.pad_rows(rows)
             layer.captured = True
         self._view_rows(rows, pad_from=real)
-        attended = slot_pool(self.model).take(("attended",), (), torch.long, layers[0].keys.device).zero_()
+        device = layers[0].keys.device
+        attended = slot_pool(self.model).take(("attended",), (columns,), torch.long, device).zero_()
         self._attended_acc = attended
+        self._attended_column = column if column is not None else torch.zeros((), dtype=torch.long, device=device)
+        self._last_block = None
         rings = [] if self._captured_compression is None else \
             [t for ring in self._captured_compression.rings.values() for t in ring]  # decode compression's queries
         mark_static([t for layer in layers for t in layer.buffers()] + list(self._chosen.values()) +
-                    [self._static[i][1] for i in self._static] + tensors + [attended] + rings)
+                    [self._static[i][1] for i in self._static] + tensors + [attended, self._attended_column] + rings)
         impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(GRAPH_IMPL)
         CAPTURED_SESSION.append(self)
@@ -646,7 +653,16 @@ class CompressionSession:
                 layer.captured = False
                 layer.keep_rows(real)
             self._view_rows(real)
-            self.stats.attended_entries_sum = self.stats.attended_entries_sum + attended.clone()
+            # steps no read_block added (a caller that does not report its reads; zero after the captured loop's)
+            self.stats.attended_entries_sum = self.stats.attended_entries_sum + attended.sum()
+
+    def read_block(self, columns: int) -> None:
+        """After the host read a block of ``columns`` captured steps: their attended entries join the stats (device
+        ops, no read), the block's per-step sums are kept (``generation_ended`` takes back the steps run past the
+        generation's end), and the sums start again at zero."""
+        self._last_block = self._attended_acc[:columns].clone()
+        self.stats.attended_entries_sum = self.stats.attended_entries_sum + self._last_block.sum()
+        self._attended_acc.zero_()
 
     def advance(self, steps: int) -> None:
         """After ``steps`` captured steps: the host's counts (tokens seen per layer, layer calls) catch up."""
@@ -669,6 +685,11 @@ class CompressionSession:
         curve = self.stats.resident_curve
         if not curve or curve[-1][0] <= steps:
             return
+        extra = curve[-1][0] - steps  # the steps run past the end, all in the last read block
+        block = self._last_block
+        if block is not None and extra <= block.shape[0]:  # the stats count the generation's steps only
+            self.stats.attended_entries_sum = self.stats.attended_entries_sum - block[block.shape[0] - extra:].sum()
+            self.stats.decode_layer_calls -= extra * len(self._attention_layers)
         after = next(i for i, (step, _) in enumerate(curve) if step > steps)
         (s0, e0), (s1, e1) = curve[after - 1], curve[after]
         entries = e0 + (e1 - e0) * (steps - s0) / (s1 - s0)  # the curve is linear between its points
@@ -698,7 +719,7 @@ class CompressionSession:
         layer.write_step(key, value, position_ids.view(position_ids.shape[0], -1)[:, -1:])
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         out, attended = self._layer_step(layer, idx, query, scaling)
-        self._attended_acc.add_(attended)
+        self._attended_acc.index_add_(0, self._attended_column.view(1), attended.view(1))
         if self._captured_compression is not None and idx in self._captured_compression.rings:
             self._captured_compression.write(idx, query)
         return out, None
