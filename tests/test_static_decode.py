@@ -255,6 +255,40 @@ def test_no_host_read_inside_a_captured_step(toy_llama, monkeypatch, capturable)
         assert reads == [(0, 16)] * 3, reads  # the host-driven first step, then 48 captured steps: 3 reads
 
 
+#: tensor factories: without a ``device`` they make CPU tensors, and a CPU tensor inside the step makes inductor skip
+#: CUDA graphs for it ("skipping cudagraphs due to cpu device") on a GPU, where the model's tensors are CUDA ones
+FACTORIES = {"arange", "zeros", "ones", "full", "empty", "tensor", "linspace", "rand", "randn", "randint", "eye",
+             "scalar_tensor", "as_tensor", "empty_strided", "randperm"}
+
+
+@pytest.mark.parametrize("method", STATIC)
+def test_every_captured_step_reads_nothing_back_and_makes_no_host_tensor(toy_llama, method):
+    """For every method with a captured step, the traced step (one graph: a backend of this test records it) holds
+    no scalar read or data-dependent shape (a wait for the GPU each), and every tensor it creates names its device
+    (a factory without one creates a CPU tensor, which on a GPU makes inductor run the step without CUDA graphs).
+    On the CPU both are counts of the mechanism a GPU needs, not times."""
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    from helpers import ByteTokenizer
+
+    b = Budget.parse(None if method == "fullkv" else 64)
+    m = build_method(_fields(toy_llama, method, None), b)
+    tokenizer = ByteTokenizer() if m.needs_reconstruction else None
+    with CompressionSession(toy_llama, m, b, compile=recorder, tokenizer=tokenizer):
+        out = greedy_generate(toy_llama, [_prompt()], 40, [], 0)
+    assert out.decode_steps == 39 and len(graphs) == 1
+    nodes = [n for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    names = {str(getattr(n.target, "__name__", n.target)) for n in nodes}
+    assert names & HOST_READ_NODES == set()
+    hostless = [n.format_node() for n in nodes if str(getattr(n.target, "__name__", n.target)) in FACTORIES
+                and "device" not in n.kwargs]
+    assert hostless == []
+
+
 def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
     long, short = _prompt(200, 3), _prompt(150, 4)
     both, _ = _generate(toy_llama, "h2o", 64, "eager", [long, short])
