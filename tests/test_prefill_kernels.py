@@ -28,7 +28,7 @@ bisection, once per prompt).
 | infllm (GROWS) | 1260/1258/1268 +74 | 5148/5146/5156 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | keydiff (GROWS) | 189/187/197 +74 | 693/691/701 +74 | 3/2/3 +0 | 3/2/3 +0 |
 | knorm | 39/37/47 +74 | 39/37/47 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| kvmerger | 1585/1583/1593 +74 | 1585/1583/1593 +74 | 3/2/3 +0 | 3/2/3 +0 |
+| kvmerger | 415/413/423 +74 | 415/413/423 +74 | 3/2/3 +0 | 3/2/3 +0 |
 | kvzip (GROWS) | 145/138/148 +265 | 774/762/772 +346 | 1/0/1 +24 | 1/0/1 +24 |
 | lminfinite | 127/125/135 +74 | 127/125/135 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | local | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
@@ -46,7 +46,8 @@ bisection, once per prompt).
 | dynamickv (budget 128: a branch, see BUDGETS) | 43/41/101 +74 | 55/53/113 +74 | 1/0/11 +0 | 2/1/12 +0 |
 
 GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM
-(3.7x) launch a constant but large number of kernels per layer (1,585 and 268), AdaKV (1.44x) reads the device 15
+(3.7x) launched a constant but large number of kernels per layer (1,585 and 268; KVMerger's theta bisection now
+evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 415), AdaKV (1.44x) reads the device 15
 times per layer, DynamicKV 12 times in its last layer, D2O 220 times in its allocation; KeyDiff (1.97x), KVzip (18.7x)
 and RoCo (54 s) grow with the prompt (``GROWS``). RoCo's row was measured at 1k and 4k as the others (9 s and
 62 s under the dispatch mode); the test runs it at 160 and 320 tokens (``LENGTHS``). PyramidInfer's layers 1-2 took

@@ -98,6 +98,20 @@ def merge_sets(keys, values, score, anchor, sigma_mode="mean_l2", sigma=1.0, wei
 #: float64): sequences are taken in passes of at most this size, so the kernels do not grow with the prompt until one
 #: sequence's tables exceed it (about 48 n^2 bytes at their peak: 9k tokens per sequence in one 4 GiB pass)
 SETS_PASS_BYTES = 4 << 30
+#: bisection steps the device search takes at once (``device_sets``): a subtree of ``2**SEARCH_LEVELS - 1`` thetas is
+#: evaluated in one batched pass and the bisection's path through it read off on the device, so the 24 steps cost
+#: ``ceil(24 / SEARCH_LEVELS)`` passes (fewer where the candidates' memory would pass ``SETS_PASS_BYTES``)
+SEARCH_LEVELS = 8
+
+
+def _subtree_offsets(levels: int, device: torch.device) -> torch.Tensor:
+    """Where the bisection's midpoints of the next ``levels`` steps lie in an interval [low, high], as fractions of its
+    width, in heap order (node ``k``'s children ``2k + 1``, lower half, and ``2k + 2``): ``(2i + 1) / 2^(l + 1)`` for
+    the ``i``-th node of level ``l``. Every midpoint of the theta search is a dyadic rational of at most 26 bits
+    (from -2 and 1), so ``low + offset * (high - low)`` is the bisection's own ``(lo + hi) / 2``, exactly."""
+    offsets = [(2 * (k + 1 - (1 << (k + 1).bit_length() - 1)) + 1) / (1 << (k + 1).bit_length())
+               for k in range((1 << levels) - 1)]
+    return torch.tensor(offsets, dtype=torch.float64, device=device)
 
 
 def device_sets(kn: torch.Tensor, mergeable: torch.Tensor, theta: float, rooms: list[int] | None = None,
@@ -115,10 +129,17 @@ def device_sets(kn: torch.Tensor, mergeable: torch.Tensor, theta: float, rooms: 
     How: ``nxt_theta(j)``, the newest token before j in its run with ``cos(k_i, k_j) <= theta``, ends the set anchored
     at j and is the next anchor. From the similarities in lag order, ``T[j, d] = cos(k_j, k_{j-d})`` (+inf past the
     run), their running minimum over d is non-increasing, so for any theta the first lag at or below it is one
-    ``searchsorted``: the ``O(n^2)`` table is built once and every bisection step costs ``O(n log n)``. The anchors are
-    the chains ``j -> nxt(j)`` from each run's newest token, marked by pointer doubling in a fixed number of rounds (a
+    ``searchsorted``: the ``O(n^2)`` table is built once and every theta costs ``O(n log n)``. The anchors are the
+    chains ``j -> nxt(j)`` from each run's newest token, marked by pointer doubling in a fixed number of rounds (a
     chain longer than the room is only counted as too long). ``O(n^2)`` float64 memory per sequence, in passes of
     ``SETS_PASS_BYTES``.
+
+    The bisection (its count need not be monotone in theta, so the path is followed, not searched for) takes
+    ``SEARCH_LEVELS`` steps per pass: the ``2^L - 1`` midpoints those steps could visit are counted in one batched
+    pass, then each sequence's path through them is followed by ``L`` gathers (a midpoint meeting the room exactly
+    ends the search there, as on the host), and low / high become the path's last accepted / rejected midpoints. The
+    24 steps took about 1,500 kernels per layer one step at a time, each dispatched by the host (a GPU prefill of
+    KVMerger at 4k was 11x FullKV's); in passes of 8 they take a few hundred.
     """
     p, n, _ = kn.shape
     step = max(1, SETS_PASS_BYTES // max(1, 48 * n * n))
@@ -140,34 +161,61 @@ def device_sets(kn: torch.Tensor, mergeable: torch.Tensor, theta: float, rooms: 
     outside = lag.view(1, 1, -1) > (pos - run_start).unsqueeze(-1)  # k_{j-d} before j's run
     floor = -lags.masked_fill(outside, math.inf).cummin(-1).values  # non-decreasing in d
     del table, lags, outside
+    in_run = (mergeable.unsqueeze(-1), run_start.unsqueeze(-1))
 
     def anchors_at(th: torch.Tensor, rounds: int) -> torch.Tensor:
-        first = torch.searchsorted(floor, (-th).view(p, 1, 1).expand(p, n, 1).contiguous()).squeeze(-1)
-        nxt = pos - first - 1  # the newest token at or below theta, or before the run
-        parent = torch.where(mergeable & (nxt >= run_start), nxt, n)
-        jump = torch.cat([parent, torch.full((p, 1), n, device=dev)], -1)  # the sentinel n points to itself
+        """The anchors at each of K thetas ``th`` ``(P, K)``: ``(P, K, n)`` bool."""
+        k = th.shape[1]
+        first = torch.searchsorted(floor, (-th).view(p, 1, k).expand(p, n, k).contiguous())  # (P, n, K)
+        nxt = pos.view(1, n, 1) - first - 1  # the newest token at or below theta, or before the run
+        parent = torch.where(in_run[0] & (nxt >= in_run[1]), nxt, n).transpose(1, 2)  # (P, K, n)
+        jump = torch.nn.functional.pad(parent, (0, 1), value=n)  # the sentinel n points to itself
         jumps = [jump]
         for _ in range(rounds - 1):
             jumps.append(torch.gather(jumps[-1], -1, jumps[-1]))
-        marked = torch.nn.functional.pad(roots, (0, 1)).long()
+        marked = torch.nn.functional.pad(roots, (0, 1)).long().unsqueeze(1).expand(p, k, n + 1)
         for jump in reversed(jumps):  # nodes at distance t < 2^rounds from a root, bit by bit
-            marked = marked | (torch.zeros_like(marked).scatter_add_(-1, jump, marked) > 0)
-        return marked[:, :n].bool()
+            marked = marked.scatter_reduce(-1, jump, marked, "amax")  # a node's mark joins its parent's
+        return marked[..., :n].bool()
 
     if rooms is None:
         th = torch.full((p,), float(theta), dtype=torch.float64, device=dev)
-        return anchors_at(th, max(1, n.bit_length())), th
+        return anchors_at(th.view(p, 1), max(1, n.bit_length()))[:, 0], th
     rounds = (max(rooms) + 1).bit_length()
-    rooms = torch.tensor(rooms, device=dev)
-    fits = rooms >= mergeable.sum(-1)
+    room = torch.tensor(rooms, device=dev).view(p, 1)
+    fits = room[:, 0] >= mergeable.sum(-1)
     low = torch.full((p,), -2.0, dtype=torch.float64, device=dev)
     high = torch.ones(p, dtype=torch.float64, device=dev)
     done = fits.clone()
-    for _ in range(iters):
-        mid = (low + high) / 2
-        count = anchors_at(mid, rounds).sum(-1)
-        accept = ~done & (count <= rooms)
-        high = torch.where(~done & ~accept, mid, high)
-        low = torch.where(accept, mid, low)
-        done = done | (accept & (count == rooms))
-    return anchors_at(torch.where(fits, math.inf, low), rounds), torch.where(fits, 1.0, low)
+    # the most levels whose candidates' index tensors (the pointer-doubling rounds and a few more) fit in a pass
+    levels = max(1, min(SEARCH_LEVELS, (SETS_PASS_BYTES // (p * (n + 1) * 8 * (rounds + 6)) + 1).bit_length() - 1))
+    offsets = {}
+    left = iters
+    while left:
+        m = min(levels, left)
+        if m not in offsets:
+            offsets[m] = _subtree_offsets(m, dev)
+        k = offsets[m].numel()
+        mids = low.view(p, 1) + offsets[m].view(1, k) * (high - low).view(p, 1)  # (P, K), heap order
+        count = anchors_at(mids, rounds).sum(-1)
+        accept = count <= room
+        stop = accept & (count == room)  # the host's break
+        child = 2 * torch.arange(k, device=dev) + 1 + accept.long()
+        nodes = torch.arange(k, device=dev).expand(p, k)
+        follow = torch.where(stop | (child >= k), nodes, child)  # a stop or a last-level node: the path stays
+        node = torch.zeros(p, 1, dtype=torch.long, device=dev)
+        path = [node]
+        for _ in range(m - 1):
+            node = follow.gather(1, node)
+            path.append(node)
+        path = torch.cat(path, 1)  # (P, m): the bisection's nodes in step order
+        taken = accept.gather(1, path)
+        depth = torch.arange(m, device=dev)
+        last_acc = torch.where(taken, depth, -1).amax(1, keepdim=True)
+        last_rej = torch.where(~taken, depth, -1).amax(1, keepdim=True)
+        on_path = mids.gather(1, path)
+        low = torch.where(done | (last_acc[:, 0] < 0), low, on_path.gather(1, last_acc.clamp(min=0))[:, 0])
+        high = torch.where(done | (last_rej[:, 0] < 0), high, on_path.gather(1, last_rej.clamp(min=0))[:, 0])
+        done = done | stop.gather(1, path).any(1)
+        left -= m
+    return anchors_at(torch.where(fits, math.inf, low).view(p, 1), rounds)[:, 0], torch.where(fits, 1.0, low)
