@@ -18,7 +18,7 @@ bisection, once per prompt).
 | method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
 |---|---|---|---|---|
 | adakv | 98/96/109 +74 | 98/96/109 +74 | 15/14/15 +0 | 15/14/15 +0 |
-| cam | 268/266/276 +74 | 268/266/276 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| cam | 226/224/234 +74 | 226/224/234 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | chunkkv | 74/72/82 +74 | 74/72/82 +74 | 5/4/5 +0 | 5/4/5 +0 |
 | d2o | 55/53/1226 +74 | 55/53/1226 +74 | 1/0/220 +0 | 1/0/220 +0 |
 | dynamickv (budget 64) | 55/53/113 +74 | 55/53/113 +74 | 2/1/12 +0 | 2/1/12 +0 |
@@ -47,7 +47,8 @@ bisection, once per prompt).
 
 GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM
 (3.7x) launched a constant but large number of kernels per layer (1,585 and 268; KVMerger's theta bisection now
-evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 415), AdaKV (1.44x) reads the device 15
+evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 415; CaM's merge builds its 16 blocks'
+systems at once: 226), AdaKV (1.44x) reads the device 15
 times per layer, DynamicKV 12 times in its last layer, D2O 220 times in its allocation; KeyDiff (1.97x), KVzip (18.7x)
 and RoCo (54 s) grow with the prompt (``GROWS``). RoCo's row was measured at 1k and 4k as the others (9 s and
 62 s under the dispatch mode); the test runs it at 160 and 320 tokens (``LENGTHS``). PyramidInfer's layers 1-2 took

@@ -147,9 +147,13 @@ def merge_values(values: torch.Tensor, merge: torch.Tensor, first: int, span: in
     inside = ((diff > 0) & (diff <= span)).to(dt)  # x earlier in the same block, at most span back
     behind = (diff + k <= span).to(dt)  # x in the previous block, at most span back
     eye = torch.eye(k, dtype=dt, device=dev)
+    # every block's own system and its sources in the block before it, at once, block-major (each block's matrix
+    # contiguous, as the solver and the product get it one block at a time: the same results bit for bit)
+    lower = (eye - inside * m).movedim(2, 0).contiguous()  # (nb, B, H, K, K)
+    couple = (behind * m[:, :, :-1]).movedim(2, 0).contiguous()  # (nb - 1, B, H, K, K)
     out, prev = [], None
-    for blk in range(nb):
-        rhs = v[:, :, blk] if prev is None else v[:, :, blk] + (behind * m[:, :, blk - 1]) @ prev
-        prev = torch.linalg.solve_triangular(eye - inside * m[:, :, blk], rhs, upper=False, unitriangular=True)
+    for blk in range(nb):  # 3 kernels per block (the products above, per block, were 3 more)
+        rhs = v[:, :, blk] if prev is None else v[:, :, blk] + couple[blk - 1] @ prev
+        prev = torch.linalg.solve_triangular(lower[blk], rhs, upper=False, unitriangular=True)
         out.append(prev)
     values[:, :, first:stop] = torch.cat(out, 2)[:, :, :length].to(values.dtype)
