@@ -262,7 +262,7 @@ FACTORIES = {"arange", "zeros", "ones", "full", "empty", "tensor", "linspace", "
 
 
 @pytest.mark.parametrize("method", STATIC)
-def test_every_captured_step_reads_nothing_back_and_makes_no_host_tensor(toy_llama, method):
+def test_every_captured_step_reads_nothing_back_and_makes_no_host_tensor(toy_llama, method, capturable):
     """For every method with a captured step, the traced step (one graph: a backend of this test records it) holds
     no scalar read or data-dependent shape (a wait for the GPU each), and every tensor it creates names its device
     (a factory without one creates a CPU tensor, which on a GPU makes inductor run the step without CUDA graphs).
