@@ -10,24 +10,29 @@ the host (``.item()``, ``bool(t)``, ``nonzero``, boolean indexing): a read seria
 
 Issue #37 (prefill within bounds on the GPU for every method): every method that runs on the toy model, per attention
 layer. Measured with ``_prefill_counts`` (``few_kernels=True``, budget 128, the 3-layer toy Llama, one row, torch 2.13
-CPU): kernels and host reads in layers 0/1/2, then ``+`` those outside every attention module (embeddings, norms,
-MLPs, the LM head: 74 kernels; SirLLM's ``observe_logits``; KVzip's repeat forwards outside attention). A method's
-cross-layer ``finish_prefill`` runs inside the last layer's attention (D2O's 220 reads there: its allocation's
-bisection, once per prompt).
+CPU): device kernels and host reads of device tensors in layers 0/1/2, then ``+`` those outside every attention
+module (embeddings, norms, MLPs, the LM head: 74 kernels; SirLLM's ``observe_logits``; KVzip's repeat forwards outside
+attention). A method's cross-layer ``finish_prefill`` runs inside the last layer's attention. ``LayerCounts`` counts
+what a GPU run would put on the device (the model's tensors and what is computed from them) and not what it would
+compute in host memory (after a ``.cpu()``, itself a read, or from factories given no device): D2O's allocation,
+a bisection over one number per layer, read the device at each step (220 reads and 1,226 kernels in the last layer)
+and now reads the layers' densities once and runs on the host (11 reads, 395 kernels: the rest is its per-layer
+compression); DynamicKV reads every layer's kept counts in one read, not one per layer (12 -> 8 in the last layer
+here, about 70 -> 36 on a 32-layer model).
 
 | method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
 |---|---|---|---|---|
 | adakv | 98/96/109 +74 | 98/96/109 +74 | 15/14/15 +0 | 15/14/15 +0 |
-| cam | 226/224/234 +74 | 226/224/234 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| cam | 225/223/233 +74 | 225/223/233 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | chunkkv | 74/72/82 +74 | 74/72/82 +74 | 5/4/5 +0 | 5/4/5 +0 |
-| d2o | 55/53/1226 +74 | 55/53/1226 +74 | 1/0/220 +0 | 1/0/220 +0 |
-| dynamickv (budget 64) | 55/53/113 +74 | 55/53/113 +74 | 2/1/12 +0 | 2/1/12 +0 |
+| d2o | 55/53/395 +74 | 55/53/395 +74 | 1/0/11 +0 | 1/0/11 +0 |
+| dynamickv (budget 64) | 55/53/112 +74 | 55/53/112 +74 | 2/1/8 +0 | 2/1/8 +0 |
 | expected_attention | 86/84/94 +74 | 86/84/94 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | fullkv (no budget) | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | h2o | 81/72/82 +74 | 81/72/82 +74 | 4/2/3 +0 | 4/2/3 +0 |
 | infllm (GROWS) | 1260/1258/1268 +74 | 5148/5146/5156 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | keydiff (GROWS) | 189/187/197 +74 | 693/691/701 +74 | 3/2/3 +0 | 3/2/3 +0 |
-| knorm | 39/37/47 +74 | 39/37/47 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| knorm | 38/36/46 +74 | 38/36/46 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | kvmerger | 415/413/423 +74 | 415/413/423 +74 | 3/2/3 +0 | 3/2/3 +0 |
 | kvzip (GROWS) | 145/138/148 +265 | 774/762/772 +346 | 1/0/1 +24 | 1/0/1 +24 |
 | lminfinite | 127/125/135 +74 | 127/125/135 +74 | 2/1/2 +0 | 2/1/2 +0 |
@@ -37,33 +42,37 @@ bisection, once per prompt).
 | pyramidinfer | 52/58/59 +74 | 52/58/59 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | pyramidkv | 65/63/73 +74 | 65/63/73 +74 | 6/5/6 +0 | 6/5/6 +0 |
 | quest | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
-| roco (GROWS) | 35021/35019/35029 +74 | 154829/154827/154837 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| roco (GROWS; 160 and 320 tokens) | 1325/1323/1333 +74 | 7565/7563/7573 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | sirllm (GROWS) | 25/23/33 +230 | 25/23/33 +266 | 1/0/1 +4 | 1/0/1 +4 |
 | snapkv | 54/52/62 +74 | 54/52/62 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | streamingllm | 48/46/56 +74 | 48/46/56 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | think | 54/52/98 +74 | 54/52/98 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | tova | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| dynamickv (budget 128: a branch, see BUDGETS) | 43/41/101 +74 | 55/53/113 +74 | 1/0/11 +0 | 2/1/12 +0 |
+| rkv | 79/77/87 +74 | 79/77/87 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| triattention | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
+| dynamickv (budget 128: a branch, see BUDGETS) | 43/41/100 +74 | 55/53/112 +74 | 1/0/7 +0 | 2/1/8 +0 |
 
 GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM
 (3.7x) launched a constant but large number of kernels per layer (1,585 and 268; KVMerger's theta bisection now
 evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 415; CaM's merge builds its 16 blocks'
-systems at once: 226), AdaKV (1.44x) reads the device 15
-times per layer, DynamicKV 12 times in its last layer, D2O 220 times in its allocation; KeyDiff (1.97x), KVzip (18.7x)
-and RoCo (54 s) grow with the prompt (``GROWS``). RoCo's row was measured at 1k and 4k as the others (9 s and
-62 s under the dispatch mode); the test runs it at 160 and 320 tokens (``LENGTHS``). PyramidInfer's layers 1-2 took
+systems at once: 225), AdaKV (1.44x) reads the device 15 times per layer, DynamicKV (1.47x) read it 12 times in its
+last layer (now 8), D2O (1.91x) 220 times in its allocation (now 11); KeyDiff (1.97x), KVzip (18.7x) and RoCo (54 s)
+grow with the prompt (``GROWS``). RoCo runs at 160 and 320 tokens (``LENGTHS``; at 1k and 4k, 9 s and 62 s under the
+dispatch mode, its counts were 35,021 and 154,829 per layer). PyramidInfer's layers 1-2 took
 66 -> 114 kernels before its masked attention ran in passes of ``PASS_BYTES`` with ``few_kernels``.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from test_host_sync import NOT_ON_TOY, CountOps, is_host_read, is_kernel
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import ByteTokenizer, kept_positions, make_layer, method_fields, prefill_ctx
@@ -103,24 +112,49 @@ class LayerCounts(TorchDispatchMode):
     """Kernels and host reads per attention layer: forward pre-hooks and hooks on each attention module set the layer
     the dispatched ops are charged to (what the method does inside ``attend``, including its per-layer prefill and a
     cross-layer ``finish_prefill``, which runs inside the last layer's attention); ops outside any attention module
-    go to ``OUTSIDE``. ``Tensor.tolist`` does not reach the dispatcher: counted as a host read by a patch."""
+    go to ``OUTSIDE``. ``Tensor.tolist`` does not reach the dispatcher: counted as a host read by a patch.
+
+    Only the device's work is counted, as a GPU would run it: on this CPU the model's tensors stand for device
+    tensors, and a tensor is the host's where a GPU run would hold it in host memory: made by ``.cpu()`` (itself a
+    read: a copy the host waits for), by a factory given no ``device``, or by ops on host tensors alone. Ops on those
+    launch no kernel and reading them waits for nothing (a method that reads a few numbers once and computes on them
+    on the host, D2O's layer allocation, is charged one read, not one per step of its loop)."""
 
     def __init__(self, model):
         super().__init__()
         self.model, self.where = model, OUTSIDE
         self.kernels: dict = {}
         self.reads: dict = {}
+        self._host: dict[int, weakref.ref] = {}  # tensors a GPU run would hold in host memory (by identity)
 
     def _charge(self, table: dict) -> None:
         table[self.where] = table.get(self.where, 0) + 1
 
+    def is_host(self, t: torch.Tensor) -> bool:
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        self._host[id(t)] = weakref.ref(t)
+
+    def _on_host(self, args, kwargs) -> bool:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return all(self.is_host(t) for t in tensors) if tensors else "device" not in kwargs
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if is_kernel(name, args):
+        host = self._on_host(args, kwargs)
+        if not host and is_kernel(name, args):
             self._charge(self.kernels)
-        if is_host_read(name, args):
+        if not host and is_host_read(name, args):
             self._charge(self.reads)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if host:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.mark_host(t)
+        return out
 
     def __enter__(self):
         modules = [m for m in self.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
@@ -129,7 +163,18 @@ class LayerCounts(TorchDispatchMode):
             m.register_forward_pre_hook(lambda mod, args: setattr(self, "where", mod.layer_idx)),
             m.register_forward_hook(lambda mod, args, out: setattr(self, "where", OUTSIDE)))]
         self._tolist = real = torch.Tensor.tolist
-        torch.Tensor.tolist = lambda t: self._charge(self.reads) or real(t)
+        torch.Tensor.tolist = lambda t: (self.is_host(t) or self._charge(self.reads)) and False or real(t)
+        self._cpu = real_cpu = torch.Tensor.cpu
+
+        def cpu(t, *args, **kwargs):  # a device-to-host copy (on this CPU, the tensor itself): a read, then host
+            if self.is_host(t):
+                return t
+            self._charge(self.reads)
+            out = real_cpu(t, *args, **kwargs).clone()
+            self.mark_host(out)
+            return out
+
+        torch.Tensor.cpu = cpu
         for layer in [m.layer_idx for m in modules] + [OUTSIDE]:
             self.kernels.setdefault(layer, 0)
             self.reads.setdefault(layer, 0)
@@ -137,6 +182,7 @@ class LayerCounts(TorchDispatchMode):
 
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
+        torch.Tensor.cpu = self._cpu
         for hook in self._hooks:
             hook.remove()
         return super().__exit__(*exc)

@@ -188,7 +188,9 @@ class DynamicKV(Method):
                 self._update(ctx.num_layers, final=True)
             for layer in layers:
                 layer.state.pop(KEY, None)
-        self.last_allocations = [list(row) for row in zip(*(layer.valid_counts()[:, 0].tolist() for layer in layers))]
+        # every layer's entries per row in one read (a read per layer waits for the device once per layer)
+        counts = torch.stack([layer.valid_counts()[:, 0] for layer in layers], 1).tolist() if layers else []
+        self.last_allocations = [list(row) for row in counts]
         self.last_allocation = self.last_allocations[0] if self.last_allocations else []
         self._reset()
 
@@ -197,6 +199,7 @@ class DynamicKV(Method):
         ws, done = self.window, len(self._layers)
         targets = [[n] * done for n, _, _ in self._rows]  # entries per row and layer, window included
         extra = [[0] * done for _ in self._rows]  # bug_compat: window copies to add
+        held_all = None  # every layer's entries per row, read once (when a row needs them)
         for row, (n, base, bs) in enumerate(self._rows):
             if base < 0:
                 continue
@@ -204,7 +207,9 @@ class DynamicKV(Method):
             if final and self.count_remainder:
                 counts[-1] += base * self._scores[0].shape[1] - sum(counts)
             z = (allocate if self.allocation_arithmetic == "exact" else allocate_official)(counts, bs, base, num_layers)
-            held = [int(layer.valid_counts()[row, 0]) - ws for layer in self._layers]
+            if held_all is None:
+                held_all = torch.stack([layer.valid_counts()[:, 0] for layer in self._layers], 1).tolist()
+            held = [int(c) - ws for c in held_all[row]]
             if self.bug_compat:
                 z = [min(x, n - ws) for x in z]
                 extra[row] = [min(max(x - h, 0), ws) for x, h in zip(z, held)]
