@@ -18,11 +18,12 @@ compute in host memory (after a ``.cpu()``, itself a read, or from factories giv
 a bisection over one number per layer, read the device at each step (220 reads and 1,226 kernels in the last layer)
 and now reads the layers' densities once and runs on the host (11 reads, 395 kernels: the rest is its per-layer
 compression); DynamicKV reads every layer's kept counts in one read, not one per layer (12 -> 8 in the last layer
-here, about 70 -> 36 on a 32-layer model).
+here, about 70 -> 36 on a 32-layer model); a ragged layer (AdaKV's and KVzip's layout) is built with two reads, not
+seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the kept entries' index in the other).
 
 | method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
 |---|---|---|---|---|
-| adakv | 98/96/109 +74 | 98/96/109 +74 | 15/14/15 +0 | 15/14/15 +0 |
+| adakv | 90/88/101 +74 | 90/88/101 +74 | 4/3/4 +0 | 4/3/4 +0 |
 | cam | 225/223/233 +74 | 225/223/233 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | chunkkv | 74/72/82 +74 | 74/72/82 +74 | 5/4/5 +0 | 5/4/5 +0 |
 | d2o | 55/53/395 +74 | 55/53/395 +74 | 1/0/11 +0 | 1/0/11 +0 |
@@ -34,7 +35,7 @@ here, about 70 -> 36 on a 32-layer model).
 | keydiff (GROWS) | 189/187/197 +74 | 693/691/701 +74 | 3/2/3 +0 | 3/2/3 +0 |
 | knorm | 38/36/46 +74 | 38/36/46 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | kvmerger | 415/413/423 +74 | 415/413/423 +74 | 3/2/3 +0 | 3/2/3 +0 |
-| kvzip (GROWS) | 145/138/148 +265 | 774/762/772 +346 | 1/0/1 +24 | 1/0/1 +24 |
+| kvzip (GROWS) | 145/138/148 +277 | 774/762/772 +358 | 1/0/1 +9 | 1/0/1 +9 |
 | lminfinite | 127/125/135 +74 | 127/125/135 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | local | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | omnikv | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
@@ -55,7 +56,8 @@ here, about 70 -> 36 on a 32-layer model).
 GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM
 (3.7x) launched a constant but large number of kernels per layer (1,585 and 268; KVMerger's theta bisection now
 evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 415; CaM's merge builds its 16 blocks'
-systems at once: 225), AdaKV (1.44x) reads the device 15 times per layer, DynamicKV (1.47x) read it 12 times in its
+systems at once: 225), AdaKV (1.44x) read the device 15 times per layer (5 + one per KV head; now 4: its per-head
+budgets applied on the device, its ragged layout built from one index), DynamicKV (1.47x) read it 12 times in its
 last layer (now 8), D2O (1.91x) 220 times in its allocation (now 11); KeyDiff (1.97x), KVzip (18.7x) and RoCo (54 s)
 grow with the prompt (``GROWS``). RoCo runs at 160 and 320 tokens (``LENGTHS``; at 1k and 4k, 9 s and 62 s under the
 dispatch mode, its counts were 35,021 and 154,829 per layer). PyramidInfer's layers 1-2 took

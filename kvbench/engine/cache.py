@@ -200,22 +200,30 @@ class KVLayer(DynamicLayer):
         if self.valid is not None:
             kept = kept & self.valid
         positions = self.positions
+        b, h, n = kept.shape
+        lengths = kept.sum(-1)  # (the order below moves entries within a (row, head): their counts stay)
         # flat entries go in position order: sorted unless a kept entry follows a later kept one (empty slots of a
-        # padded view, at -1, do not count)
+        # padded view, at -1, do not count); that, the longest head and whether every head is as long, in one read
         latest = torch.where(kept, positions, -1).cummax(-1).values
-        if positions.shape[-1] > 1 and bool((kept[..., 1:] & (positions[..., 1:] < latest[..., :-1])).any()):
+        unsorted = (kept[..., 1:] & (positions[..., 1:] < latest[..., :-1])).any() if n > 1 else kept.new_zeros(())
+        width = lengths.max() if lengths.numel() else lengths.new_zeros(())
+        unsorted, width, uniform = (int(x) for x in torch.stack([unsorted.long(), width.long(),
+                                                                   (lengths == width).all().long()]).tolist())
+        if unsorted:
             order = torch.argsort(positions, dim=-1, stable=True)
             self.gather(order)
             kept, positions = torch.gather(kept, -1, order), self.positions
-        b, h, n = kept.shape
-        lengths = kept.sum(-1)
-        width = int(lengths.max()) if lengths.numel() else 0
         rank = kept.cumsum(-1) - 1  # each kept entry's slot within its (row, head)
         row_head = torch.arange(b * h, device=kept.device).view(b, h, 1).expand(b, h, n)
-        slots = (row_head * width + rank)[kept]
+        flat = kept.reshape(-1).nonzero().squeeze(1)  # the kept entries in (row, head, slot) order: one read
+
+        def pick(t: torch.Tensor) -> torch.Tensor:  # t[kept], by the one index
+            return t.reshape(b * h * n, *t.shape[3:]).index_select(0, flat)
+
         self.ragged = RaggedEntries(
-            keys=self.keys[kept], values=self.values[kept], positions=positions[kept], lengths=lengths, slots=slots,
-            width=width, uniform=bool((lengths == width).all()), state={k: v[kept] for k, v in self.state.items()},
+            keys=pick(self.keys), values=pick(self.values), positions=pick(positions), lengths=lengths,
+            slots=pick(row_head * width + rank), width=width, uniform=bool(uniform),
+            state={k: pick(v) for k, v in self.state.items()},
         )
         self.keys = self.keys.new_empty(b, h, 0, self.keys.shape[-1])
         self.values = self.values.new_empty(b, h, 0, self.values.shape[-1])

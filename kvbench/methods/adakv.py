@@ -62,26 +62,26 @@ def adakv_keep_official(scores: torch.Tensor, capacity: int, alpha: float) -> to
     """
     h, n = scores.shape
     forced = scores == float("inf")
-    w = int(forced[0].sum())
-    if not bool((forced.sum(-1) == w).all()):
+    per_head = forced.sum(-1)
+    w, same = (int(x) for x in torch.stack([per_head[0], (per_head == per_head[0]).all()]).tolist())  # one read
+    if not same:
         raise NotAvailableError("method 'adakv': allocation=official_code needs the same number of must-keep entries "
                                 "in every head (SnapKV's window)")
-    positions = torch.arange(n, device=scores.device).expand(h, n)
-    free_pos = positions[~forced].view(h, n - w)
-    free = scores[~forced].view(1, h, n - w)
     base = capacity - w
     if base > n - w:
         return torch.ones(h, n, dtype=torch.bool, device=scores.device)
+    # each head's free entries in position order (the code's boolean index), as a stable sort: no read for its shape
+    free_pos = torch.sort(forced.to(torch.int8), dim=-1, stable=True).indices[:, : n - w]
+    free = scores.gather(-1, free_pos).view(1, h, n - w)
     floor = int(base * alpha)
     sorted_scores, sorted_idx = free.sort(dim=-1, descending=True)
     share = torch.topk(sorted_scores.reshape(1, (n - w) * h), k=h * base, dim=-1).indices // (n - w)
     counts = torch.zeros((1, h), device=scores.device, dtype=share.dtype)
     counts.scatter_add_(-1, share, torch.ones_like(share, dtype=counts.dtype))
     budgets = torch.round(counts * (1 - alpha) + floor).int()[0]
-    kept = forced.clone()
-    for head in range(h):
-        kept[head, free_pos[head, sorted_idx[0, head, : int(budgets[head])]]] = True
-    return kept
+    # each head keeps the first budgets[head] of its sorted free entries (the code's per-head loop, on the device)
+    chosen = torch.arange(n - w, device=scores.device).view(1, -1) < budgets.view(-1, 1)
+    return forced.scatter(-1, free_pos.gather(-1, sorted_idx[0]), chosen)
 
 
 @dataclass
@@ -127,7 +127,10 @@ class AdaKV(ScorerWrapper):
             raise ConfigError(f"method 'adakv': decode_compression evicts from caches of one (B, H, n, D) tensor; "
                               f"layout={self.layout!r} cannot (ragged heads are flat, kvpress_mask frees nothing); use "
                               "layout=padded")
-        self._stats: dict[int, tuple[list[int], list[int]]] = {}  # layer -> (kept, allocated) entries per row
+        #: layer -> (kept entries per row: a device tensor, read once per sample by ``sample_stats``; allocated
+        #: entries per row, host ints, or None where they are the kept ones)
+        self._stats: dict[int, tuple[torch.Tensor, list[int] | None]] = {}
+        self._read: list | None = None  # the kept counts read, per row and layer (reset at every prefill)
 
     def expected_compression(self, budget, prompt_len: int, num_layers: int) -> str:
         kind = super().expected_compression(budget, prompt_len, num_layers)
@@ -153,11 +156,14 @@ class AdaKV(ScorerWrapper):
             layer.to_ragged(kept)
         else:
             keep_entries(layer, kept)
-        kept_per_row = [int(x) for x in kept.sum(dim=(1, 2)).tolist()]
-        allocated = kept_per_row if self.layout == "ragged" else [layer.num_entries * kept.shape[1]] * kept.shape[0]
-        self._stats[ctx.layer_idx] = (kept_per_row, allocated)
+        allocated = None if self.layout == "ragged" else [layer.num_entries * kept.shape[1]] * kept.shape[0]
+        self._stats[ctx.layer_idx] = (kept.sum(dim=(1, 2)), allocated)  # no read per layer (sample_stats reads)
+        self._read = None
 
     def sample_stats(self, row: int) -> dict:
         layers = sorted(self._stats)
-        return {"adakv_kept_entries": [self._stats[i][0][row] for i in layers],
-                "adakv_allocated_entries": [self._stats[i][1][row] for i in layers]}
+        if self._read is None:  # every layer's counts in one read per sample
+            self._read = torch.stack([self._stats[i][0] for i in layers], 1).tolist() if layers else []
+        kept = [int(x) for x in self._read[row]] if layers else []
+        allocated = [kept[j] if self._stats[i][1] is None else self._stats[i][1][row] for j, i in enumerate(layers)]
+        return {"adakv_kept_entries": kept, "adakv_allocated_entries": allocated}
