@@ -35,7 +35,7 @@ seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the
 | keydiff (GROWS) | 189/187/197 +74 | 693/691/701 +74 | 3/2/3 +0 | 3/2/3 +0 |
 | knorm | 38/36/46 +74 | 38/36/46 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | kvmerger | 415/413/423 +74 | 415/413/423 +74 | 3/2/3 +0 | 3/2/3 +0 |
-| kvzip (GROWS) | 145/138/148 +277 | 774/762/772 +358 | 1/0/1 +9 | 1/0/1 +9 |
+| kvzip (GROWS) | 65/58/68 +277 | 104/92/102 +358 | 1/0/1 +9 | 1/0/1 +9 |
 | lminfinite | 127/125/135 +74 | 127/125/135 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | local | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | omnikv | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
@@ -59,7 +59,10 @@ evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 41
 systems at once: 225), AdaKV (1.44x) read the device 15 times per layer (5 + one per KV head; now 4: its per-head
 budgets applied on the device, its ragged layout built from one index), DynamicKV (1.47x) read it 12 times in its
 last layer (now 8), D2O (1.91x) 220 times in its allocation (now 11); KeyDiff (1.97x), KVzip (18.7x) and RoCo (54 s)
-grow with the prompt (``GROWS``). RoCo runs at 160 and 320 tokens (``LENGTHS``; at 1k and 4k, 9 s and 62 s under the
+grow with the prompt (``GROWS``): KVzip by one repeat forward per 2,048 tokens, and by its scoring's query blocks
+of 4 MiB, which on Llama-3-8B's shapes were about 260 blocks of 8 kernels per layer and chunk (145 -> 774 per layer
+here); with ``few_kernels`` they are blocks of 512 MiB (``kvzip_ops.PASS_ELEMENTS``: 65 -> 104). RoCo runs at 160
+and 320 tokens (``LENGTHS``; at 1k and 4k, 9 s and 62 s under the
 dispatch mode, its counts were 35,021 and 154,829 per layer). PyramidInfer's layers 1-2 took
 66 -> 114 kernels before its masked attention ran in passes of ``PASS_BYTES`` with ``few_kernels``.
 """
@@ -96,7 +99,7 @@ GROWS = {
     "infllm": "the official chunked prefill: chunk i (exc_block_size 512, clamped to n_local) attends over the memory "
               "blocks that chunks < i formed, a loop of n / chunk steps (1,260 -> 5,148 per layer)",
     "kvzip": "the context reconstruction: one repeat forward per chunk_size=2048 prompt tokens (the official KVzip "
-             "and kvpress chunking), each through every layer (145 -> 774 in layer 0, 265 -> 346 outside)",
+             "and kvpress chunking), each through every layer (65 -> 104 in layer 0, 277 -> 358 outside)",
     "sirllm": "not in the attention layers (equal per layer): the engine's TokenLogits applies the LM head 256 "
               "positions at a time to score the prompt's tokens (observe_logits, outside the layers: 230 -> 266)",
 }

@@ -828,7 +828,9 @@ class CompressionSession:
             out, _, _ = self._engine_attention(backend, module, layer, query, scaling, ctx, kwargs, acts=False)
         if idx in self._method_index:
             start, end = self._reconstructing
-            self.method.score_reconstruction(self._method_index[idx], layer, query, start, end, scaling)
+            few = layer.keys.device.type == "cuda" if self.few_kernels is None else self.few_kernels
+            self.method.score_reconstruction(self._method_index[idx], layer, query, start, end, scaling,
+                                             few_kernels=few)
         return out, None
 
     def _repeat_mask(self, query: torch.Tensor, entries: int) -> torch.Tensor:

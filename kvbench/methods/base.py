@@ -263,9 +263,11 @@ class Method:
         return []
 
     def score_reconstruction(self, layer_idx: int, layer: KVLayer, query: torch.Tensor, start: int, end: int,
-                             scaling: float) -> None:
+                             scaling: float, few_kernels: bool = False) -> None:
         """``needs_reconstruction``: one scoring forward's layer ``layer_idx``; ``layer`` holds the prompt's entries
-        then the forward's own, ``query`` ``(B, Hq, q, D)`` its post-RoPE queries."""
+        then the forward's own, ``query`` ``(B, Hq, q, D)`` its post-RoPE queries. ``few_kernels``: as
+        ``PrefillContext.few_kernels`` (the session sets it on CUDA), a form whose kernels do not grow with the
+        chunk."""
 
     def finish_reconstruction(self, layers: list[KVLayer]) -> None:
         """``needs_reconstruction``: after the last scoring forward, every layer the method compresses (evict here)."""

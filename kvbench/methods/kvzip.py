@@ -14,8 +14,10 @@ import torch
 from kvbench.errors import NotAvailableError
 from kvbench.methods.base import Method, PrefillContext, check_choice, check_positive, keep_entries
 from kvbench.methods.kvzip_ops import (
+    BLOCK_ELEMENTS,
     FIRST_CHUNK_PROMPT,
     LATER_CHUNK_PROMPT,
+    PASS_ELEMENTS,
     PREVIOUS_TAIL_TOKENS,
     kvzip_keep,
     reconstruction_scores,
@@ -108,11 +110,13 @@ class KVzip(Method):
         return out
 
     def score_reconstruction(self, layer_idx: int, layer: KVLayer, query: torch.Tensor, start: int, end: int,
-                             scaling: float) -> None:
+                             scaling: float, few_kernels: bool = False) -> None:
         scores = self._scores[layer_idx]
         if layer.num_entries - query.shape[2] != scores.shape[-1]:
             raise NotAvailableError("method 'kvzip' compresses full-attention layers only (sliding_layers=window)")
-        scores[..., start:end] = reconstruction_scores(query, layer.keys, start, end, self.n_sink, scaling).float()
+        block = PASS_ELEMENTS if few_kernels else BLOCK_ELEMENTS  # a GPU: a few blocks per chunk, not hundreds
+        scores[..., start:end] = reconstruction_scores(query, layer.keys, start, end, self.n_sink, scaling,
+                                                       block).float()
 
     def finish_reconstruction(self, layers: list[KVLayer]) -> None:
         scores = torch.stack([self._scores.pop(i) for i in range(len(layers))])  # (L, 1, H, n)
