@@ -144,8 +144,9 @@ class H2O(Method):
         acc = self._prompt_acc(layer, ctx)
         if self.variant == "paper":
             layer.state["acc"] = acc
-        recent = self._recent_host(tuple(int(c) for c in ctx.capacity.tolist()))
-        keep_top(layer, self._scores(layer, acc, ctx.capacity), ctx.capacity, window=recent)
+        caps = ctx.host_ints()[1]  # the session's host ints: no read of the device per layer
+        recent = self._recent_host(tuple(caps))
+        keep_top(layer, self._scores(layer, acc, ctx.capacity), caps, window=recent)
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper" or ctx.probs is None:
