@@ -122,9 +122,10 @@ class CapturedCompression:
         self.held.setdefault(step, {})[layer_idx] = entries
         self.held.pop(step - self.LOG_STEPS, None)
 
-    def held_at(self, step: int, layer_idx: int) -> int:
-        """The entries layer ``layer_idx`` held after decode step ``step`` (one of the last ``LOG_STEPS``)."""
-        return self.held[step][layer_idx]
+    def held_at(self, step: int, layer_idx: int) -> int | None:
+        """The entries layer ``layer_idx`` held after decode step ``step`` (one of the last ``LOG_STEPS``), or None
+        where that step was not logged."""
+        return self.held.get(step, {}).get(layer_idx)
 
     def write(self, layer_idx: int, query: torch.Tensor) -> None:
         """The step's query ``(B, Hq, 1, D)`` into the layer's ring at its next column (no host read)."""

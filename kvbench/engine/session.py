@@ -701,7 +701,8 @@ class CompressionSession:
             if idx in self._static and idx not in fill:
                 self._layers[idx].entries = self._static_entries(idx, steps)
             elif idx in fill:  # what it held after that step (its slots keep the later steps' entries and compressions)
-                self._layers[idx].entries = self._captured_compression.held_at(steps, idx)
+                held = self._captured_compression.held_at(steps, idx)
+                self._layers[idx].entries = fill[idx] if held is None else held
 
     def _static_entries(self, idx: int, step: int) -> int:
         """The entries static layer ``idx`` holds after decode step ``step`` (``_occupancy``: what it held when it
