@@ -31,14 +31,15 @@ def chunk_keep(scores: torch.Tensor, capacity: int, chunk: int) -> torch.Tensor:
     its tokens and all heads; the top ``(capacity - stay) // chunk`` chunks are kept."""
     stay = (torch.isinf(scores) & (scores > 0)).any(0)
     valid = (scores > float("-inf")).all(0)
-    cand = torch.nonzero(valid & ~stay).flatten()
+    free = valid & ~stay
+    n_stay, n_cand = torch.stack([stay.sum(), free.sum()]).tolist()  # one read for both counts
     kept = stay.clone()
-    k = max(0, capacity - int(stay.sum())) // chunk
-    if k == 0 or len(cand) == 0:
+    k = max(0, capacity - n_stay) // chunk
+    complete = n_cand // chunk  # a remainder shorter than a chunk is never a candidate
+    if k == 0 or complete == 0:
         return kept
-    complete = len(cand) // chunk  # a remainder shorter than a chunk is never a candidate
-    if complete == 0:
-        return kept
+    # the candidates in position order (a stable sort, not a nonzero: its count is known)
+    cand = torch.sort((~free).to(torch.uint8), stable=True).indices[:n_cand]
     summed = scores[:, cand[: complete * chunk]].sum(0)  # over heads
     chunk_scores = summed.view(complete, chunk).sum(-1)
     top = chunk_scores.topk(min(k, complete)).indices
