@@ -24,16 +24,16 @@ seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the
 | method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
 |---|---|---|---|---|
 | adakv | 90/88/101 +74 | 90/88/101 +74 | 4/3/4 +0 | 4/3/4 +0 |
-| cam | 225/223/233 +74 | 225/223/233 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| cam | 226/224/234 +74 | 226/224/234 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | chunkkv | 77/75/85 +74 | 77/75/85 +74 | 4/3/4 +0 | 4/3/4 +0 |
 | d2o | 55/53/395 +74 | 55/53/395 +74 | 1/0/11 +0 | 1/0/11 +0 |
 | dynamickv (budget 64) | 55/53/112 +74 | 55/53/112 +74 | 2/1/8 +0 | 2/1/8 +0 |
 | expected_attention | 86/84/94 +74 | 86/84/94 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | fullkv (no budget) | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
-| h2o | 81/72/82 +74 | 81/72/82 +74 | 3/1/2 +0 | 3/1/2 +0 |
+| h2o | 74/72/82 +74 | 74/72/82 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | infllm (GROWS) | 1260/1258/1268 +74 | 5148/5146/5156 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | keydiff (GROWS) | 189/187/197 +74 | 693/691/701 +74 | 3/2/3 +0 | 3/2/3 +0 |
-| knorm | 38/36/46 +74 | 38/36/46 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| knorm | 39/37/47 +74 | 39/37/47 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | kvmerger | 415/413/423 +74 | 415/413/423 +74 | 3/2/3 +0 | 3/2/3 +0 |
 | kvzip (GROWS) | 65/58/68 +277 | 104/92/102 +358 | 1/0/1 +9 | 1/0/1 +9 |
 | lminfinite | 127/125/135 +74 | 127/125/135 +74 | 2/1/2 +0 | 2/1/2 +0 |
@@ -41,7 +41,7 @@ seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the
 | omnikv | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | pod | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | pyramidinfer | 52/58/59 +74 | 52/58/59 +74 | 1/0/1 +0 | 1/0/1 +0 |
-| pyramidkv | 65/63/73 +74 | 65/63/73 +74 | 6/5/6 +0 | 6/5/6 +0 |
+| pyramidkv | 55/53/63 +74 | 55/53/63 +74 | 4/3/4 +0 | 4/3/4 +0 |
 | quest | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | roco (GROWS; 160 and 320 tokens) | 1325/1323/1333 +74 | 7565/7563/7573 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | sirllm (GROWS) | 25/23/33 +230 | 25/23/33 +266 | 1/0/1 +4 | 1/0/1 +4 |
@@ -77,6 +77,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_host_sync import NOT_ON_TOY, CountOps, is_host_read, is_kernel
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -113,6 +114,32 @@ FIELDS = {"omnikv": {"filter_layers": [0]}}  # the default filter layers leave n
 OUTSIDE = "outside"  # ops outside every attention module: embeddings, MLPs, norms, the LM head, observe_logits
 
 
+#: tensor factories: called without a ``device`` they make a host tensor on a GPU run (``LayerCounts``)
+FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "linspace", "rand", "randn", "randint",
+             "eye", "randperm"}
+
+
+class _HostFactories(TorchFunctionMode):
+    """``LayerCounts``' view of the Python calls: a factory called without a ``device`` makes a host tensor (its ops
+    are not the device's; the dispatcher below it sees the default device filled in, so it is told here)."""
+
+    def __init__(self, counts: LayerCounts):
+        super().__init__()
+        self.counts, self.depth = counts, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        host = getattr(func, "__name__", "") in FACTORIES and kwargs.get("device") is None
+        self.depth += host
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.depth -= host
+        if host and isinstance(out, torch.Tensor):
+            self.counts.mark_host(out)
+        return out
+
+
 class LayerCounts(TorchDispatchMode):
     """Kernels and host reads per attention layer: forward pre-hooks and hooks on each attention module set the layer
     the dispatched ops are charged to (what the method does inside ``attend``, including its per-layer prefill and a
@@ -131,6 +158,7 @@ class LayerCounts(TorchDispatchMode):
         self.kernels: dict = {}
         self.reads: dict = {}
         self._host: dict[int, weakref.ref] = {}  # tensors a GPU run would hold in host memory (by identity)
+        self._factory = _HostFactories(self)  # (the dispatcher sees every factory with a device: the call's own kwargs)
 
     def _charge(self, table: dict) -> None:
         table[self.where] = table.get(self.where, 0) + 1
@@ -144,12 +172,12 @@ class LayerCounts(TorchDispatchMode):
 
     def _on_host(self, args, kwargs) -> bool:
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        return all(self.is_host(t) for t in tensors) if tensors else "device" not in kwargs
+        return bool(tensors) and all(self.is_host(t) for t in tensors)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        host = self._on_host(args, kwargs)
+        host = self._factory.depth > 0 or self._on_host(args, kwargs)
         if not host and is_kernel(name, args):
             self._charge(self.kernels)
         if not host and is_host_read(name, args):
@@ -168,24 +196,39 @@ class LayerCounts(TorchDispatchMode):
             m.register_forward_pre_hook(lambda mod, args: setattr(self, "where", mod.layer_idx)),
             m.register_forward_hook(lambda mod, args, out: setattr(self, "where", OUTSIDE)))]
         self._tolist = real = torch.Tensor.tolist
-        torch.Tensor.tolist = lambda t: (self.is_host(t) or self._charge(self.reads)) and False or real(t)
         self._cpu = real_cpu = torch.Tensor.cpu
+        busy = []  # the function mode below resolves a patched method again: one charge per call
+
+        def tolist(t):
+            if not busy and not self.is_host(t):
+                self._charge(self.reads)
+            busy.append(1)
+            try:
+                return real(t)
+            finally:
+                busy.pop()
 
         def cpu(t, *args, **kwargs):  # a device-to-host copy (on this CPU, the tensor itself): a read, then host
-            if self.is_host(t):
-                return t
+            if busy or self.is_host(t):
+                return real_cpu(t, *args, **kwargs)
             self._charge(self.reads)
-            out = real_cpu(t, *args, **kwargs).clone()
+            busy.append(1)
+            try:
+                out = real_cpu(t, *args, **kwargs).clone()
+            finally:
+                busy.pop()
             self.mark_host(out)
             return out
 
-        torch.Tensor.cpu = cpu
+        torch.Tensor.tolist, torch.Tensor.cpu = tolist, cpu
+        self._factory.__enter__()
         for layer in [m.layer_idx for m in modules] + [OUTSIDE]:
             self.kernels.setdefault(layer, 0)
             self.reads.setdefault(layer, 0)
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._factory.__exit__(*exc)
         torch.Tensor.tolist = self._tolist
         torch.Tensor.cpu = self._cpu
         for hook in self._hooks:
@@ -223,6 +266,28 @@ def test_prefill_counts_per_layer_do_not_grow_with_the_prompt(toy_llama, method)
         assert sum(long[0].values()) > sum(short[0].values()), f"{method} no longer grows: remove it from GROWS"
     else:
         assert short == long, (short, long)
+
+
+def test_the_counts_charge_the_device_and_not_the_host(toy_llama):
+    """``LayerCounts`` counts what a GPU would wait for: reading a device tensor (the model's, or anything computed
+    from it) at each step of a loop is a read per step; reading its values once with ``.cpu()`` and looping on the
+    host copy is one read and no kernel after it; a factory without a device makes a host tensor, one with the
+    model's device a device tensor."""
+    with LayerCounts(toy_llama) as counts:
+        x = toy_llama.model.embed_tokens.weight[:8, 0] * 2  # a device tensor (1 kernel)
+        for i in range(5):
+            int(x[i] > 0)  # a read per step
+        host = x.cpu()  # one read
+        for i in range(5):
+            int((host[i] * 3) > 0)  # host work: nothing counted
+        torch.zeros(3).sum().item()  # a host factory: nothing counted
+        torch.tensor([1.0, 2.0]).tolist()  # nor here
+        torch.zeros(3, device=x.device).sum().item()  # a device factory: 2 kernels, 1 read
+        host.tolist()  # a host copy: nothing counted
+        x.tolist()  # a device tensor: one read
+    assert counts.reads[OUTSIDE] == 5 + 1 + 1 + 1
+    # the product; per step a comparison and its scalar read (an op too); the copy; zeros, sum and its scalar read
+    assert counts.kernels[OUTSIDE] == 1 + 5 * 2 + 1 + 3
 
 
 def test_the_cpu_form_loops_over_chunks(toy_llama):
