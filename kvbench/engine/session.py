@@ -527,9 +527,11 @@ class CompressionSession:
                             query=None, probs=None, capacity=last.capacity, scaling=None,
                             rope_inv_freq=self.rope_inv_freq)
         self.method.after_decode_forward(hosts, ctx)
+        # the steps to the schedule's next forward, on the first compressed layer's counts (as compression_due_in)
+        ahead = compression.due_in(hosts[0].keys.shape[2], hosts[0].seen, self._reserve) or 1
         for idx, host in zip(self.compressed, hosts):
             static = self._layers[idx]
-            need = host.keys.shape[2] + (compression.due_in(host.keys.shape[2], host.seen, self._reserve) or 1)
+            need = host.keys.shape[2] + ahead
             if need > static.keys.shape[2]:
                 self._grow_captured(idx, static, need)
             compression.fill[idx] = static.hold_entries(host, rows)
@@ -616,7 +618,7 @@ class CompressionSession:
         return self._cache
 
     @contextlib.contextmanager
-    def captured(self, rows: int, tensors: list[torch.Tensor], column: torch.Tensor | None = None, columns: int = 1):
+    def captured(self, rows: int, tensors: list[torch.Tensor], column: torch.Tensor, columns: int):
         """While the captured steps run: the static layers at ``rows`` rows (a batch bucket), written by the step's
         attention, every buffer a static address, the model on the ``kvbench_graph`` attention (no mask built, no
         cache length read), the session's hooks idle (the first decode step checked what they check). The entries
@@ -633,7 +635,7 @@ class CompressionSession:
         device = layers[0].keys.device
         attended = slot_pool(self.model).take(("attended",), (columns,), torch.long, device).zero_()
         self._attended_acc = attended
-        self._attended_column = column if column is not None else torch.zeros((), dtype=torch.long, device=device)
+        self._attended_column = column
         self._last_block = None
         rings = [] if self._captured_compression is None else \
             [t for ring in self._captured_compression.rings.values() for t in ring]  # decode compression's queries
