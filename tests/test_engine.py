@@ -148,6 +148,58 @@ def test_finish_prefill_sees_every_layer_and_stats_follow_it(toy_llama):
     assert out.resident_kv_bytes_final == 3 * 8 * 2 * 16 * 2 * 4  # + 3 generated tokens appended
 
 
+def test_a_layer_in_a_methods_order_keeps_prefixes_and_sorts_back():
+    """``gather(..., position_order=False)`` stores entries in the index's order (DynamicKV's score order);
+    ``keep_first`` then keeps a prefix per (row, head), fresh copies, empty slots past a row's own count;
+    ``sort_by_position`` stores valid entries in position order with the empty slots after them."""
+    from helpers import make_layer
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, 10, 4, generator=g), torch.randn(2, 2, 10, 4, generator=g)
+    layer = make_layer(keys, values)
+    order = torch.stack([torch.randperm(10, generator=g) for _ in range(4)]).view(2, 2, 10)
+    layer.gather(order, position_order=False)
+    assert not layer.position_ordered and torch.equal(layer.positions, order)
+    assert torch.equal(layer.keys, torch.gather(keys, 2, order[..., None].expand(-1, -1, -1, 4)))
+    before = layer.keys
+    layer.keep_first(6, [6, 4])
+    assert layer.keys.shape[2] == 6 and layer.keys.is_contiguous() and layer.keys.data_ptr() != before.data_ptr()
+    assert torch.equal(layer.positions, order[..., :6])
+    assert layer.valid_counts().tolist() == [[6, 6], [4, 4]]
+    layer.sort_by_position()
+    assert layer.position_ordered
+    for row, count in ((0, 6), (1, 4)):
+        for head in range(2):
+            kept = sorted(order[row, head, :count].tolist())
+            assert layer.positions[row, head, :count].tolist() == kept
+            assert layer.valid[row, head].tolist() == [True] * count + [False] * (6 - count)
+            assert torch.equal(layer.values[row, head, :count], values[row, head, kept])
+    layer.keep_first(6)  # nothing to cut: the layer stays as it is
+    assert layer.keys.shape[2] == 6
+
+
+def test_the_session_refuses_a_layer_left_out_of_position_order(toy_llama):
+    """Decode-time code relies on position order (``real_rank``): a method whose prefill leaves a layer in its own
+    order stops the run in one line instead of decoding from it."""
+    from dataclasses import dataclass
+
+    from kvbench.methods.base import Method
+
+    @dataclass
+    class Reversed(Method):
+        name = "reversed"
+
+        def finish_prefill(self, layers, ctx):
+            for layer in layers:
+                n = layer.num_entries
+                layer.gather(torch.arange(n - 1, -1, -1).expand(*layer.positions.shape[:2], n), position_order=False)
+
+    b = Budget.parse(40)
+    with pytest.raises(RuntimeError, match=r"'reversed' left attention layers \[0, 1, 2\] out of position order"):
+        with CompressionSession(toy_llama, Reversed(), b):
+            greedy_generate(toy_llama, [_prompt(60, 9)], 2, NEVER_EOS, 0)
+
+
 @pytest.mark.parametrize("method, fields", [
     ("snapkv", {}), ("pyramidkv", {"schedule": "kvfactory_2409"}), ("h2o", {}), ("h2o", {"variant": "kvfactory_2410"}),
     ("streamingllm", {"variant": "kvfactory", "window": None}), ("cam", {"variant": "prefill_only", "window": 8}),

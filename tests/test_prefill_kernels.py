@@ -11,15 +11,19 @@ the host (``.item()``, ``bool(t)``, ``nonzero``, boolean indexing): a read seria
 Issue #37 (prefill within bounds on the GPU for every method): every method that runs on the toy model, per attention
 layer. Measured with ``_prefill_counts`` (``few_kernels=True``, budget 128, the 3-layer toy Llama, one row, torch 2.13
 CPU): device kernels and host reads of device tensors in layers 0/1/2, then ``+`` those outside every attention
-module (embeddings, norms, MLPs, the LM head: 74 kernels; SirLLM's ``observe_logits``; KVzip's repeat forwards outside
-attention). A method's cross-layer ``finish_prefill`` runs inside the last layer's attention. ``LayerCounts`` counts
-what a GPU run would put on the device (the model's tensors and what is computed from them) and not what it would
-compute in host memory (after a ``.cpu()``, itself a read, or from factories given no device): D2O's allocation,
-a bisection over one number per layer, read the device at each step (220 reads and 1,226 kernels in the last layer)
-and now reads the layers' densities once and runs on the host (11 reads, 395 kernels: the rest is its per-layer
-compression); DynamicKV reads every layer's kept counts in one read, not one per layer (12 -> 8 in the last layer
-here, about 70 -> 36 on a 32-layer model); a ragged layer (AdaKV's and KVzip's layout) is built with two reads, not
-seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the kept entries' index in the other).
+module (embeddings, norms, MLPs, the LM head: 74 kernels; SirLLM's ``observe_logits``; KVzip's repeat forwards
+outside attention). A method's cross-layer ``finish_prefill`` runs inside the last layer's attention.
+``LayerCounts`` counts what a GPU run would put on the device (the model's tensors and what is computed from them)
+and not what it would compute in host memory (after a ``.cpu()``, itself a read, or from factories given no device):
+D2O's allocation, a bisection over one number per layer, read the device at each step (220 reads and 1,226 kernels
+in the last layer) and now reads the layers' densities once and runs on the host (11 reads, 395 kernels: the rest is
+its per-layer compression); DynamicKV's re-allocations truncated each earlier layer with ``keep_top`` (a selection
+and a read per layer and update: 112 kernels and 8 reads in the last layer here; 3,328 kernels and 160 reads in the
+layers of a 32-layer toy at 2k, 144 truncations) and now keep a prefix of the code's score-ordered temporary cache,
+sized on the host (82 and 2 here; 2,066 and 10 on 32 layers, SnapKV's 1,763 and 34; the first keep is the same sort
+at any prompt length, so its budget-128 branch at 1k is gone); a ragged layer (AdaKV's and KVzip's layout) is built
+with two reads, not seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the kept entries'
+index in the other).
 
 | method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
 |---|---|---|---|---|
@@ -27,7 +31,7 @@ seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the
 | cam | 226/224/234 +74 | 226/224/234 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | chunkkv | 77/75/85 +74 | 77/75/85 +74 | 4/3/4 +0 | 4/3/4 +0 |
 | d2o | 55/53/395 +74 | 55/53/395 +74 | 1/0/11 +0 | 1/0/11 +0 |
-| dynamickv (budget 64) | 55/53/112 +74 | 55/53/112 +74 | 2/1/8 +0 | 2/1/8 +0 |
+| dynamickv | 48/46/82 +74 | 48/46/82 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | expected_attention | 86/84/94 +74 | 86/84/94 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | fullkv (no budget) | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | h2o | 74/72/82 +74 | 74/72/82 +74 | 2/1/2 +0 | 2/1/2 +0 |
@@ -51,20 +55,20 @@ seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the
 | tova | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | rkv | 79/77/87 +74 | 79/77/87 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | triattention | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
-| dynamickv (budget 128: a branch, see BUDGETS) | 43/41/100 +74 | 55/53/112 +74 | 1/0/7 +0 | 2/1/8 +0 |
 
 GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM
 (3.7x) launched a constant but large number of kernels per layer (1,585 and 268; KVMerger's theta bisection now
 evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 415; CaM's merge builds its 16 blocks'
 systems at once: 225), AdaKV (1.44x) read the device 15 times per layer (5 + one per KV head; now 4: its per-head
 budgets applied on the device, its ragged layout built from one index), DynamicKV (1.47x) read it 12 times in its
-last layer (now 8), D2O (1.91x) 220 times in its allocation (now 11); KeyDiff (1.97x), KVzip (18.7x) and RoCo (54 s)
-grow with the prompt (``GROWS``): KVzip by one repeat forward per 2,048 tokens, and by its scoring's query blocks
-of 4 MiB, which on Llama-3-8B's shapes were about 260 blocks of 8 kernels per layer and chunk (145 -> 774 per layer
+last layer and truncated 144 layers by a selection each on 32 layers (now 2 reads, and a prefix copy per
+truncation), D2O (1.91x) 220 times in its allocation (now 11); KeyDiff (1.97x), KVzip (18.7x) and RoCo (54 s) grow
+with the prompt (``GROWS``): KVzip by one repeat forward per 2,048 tokens, and by its scoring's query blocks of 4
+MiB, which on Llama-3-8B's shapes were about 260 blocks of 8 kernels per layer and chunk (145 -> 774 per layer
 here); with ``few_kernels`` they are blocks of 512 MiB (``kvzip_ops.PASS_ELEMENTS``: 65 -> 104). RoCo runs at 160
-and 320 tokens (``LENGTHS``; at 1k and 4k, 9 s and 62 s under the
-dispatch mode, its counts were 35,021 and 154,829 per layer). PyramidInfer's layers 1-2 took
-66 -> 114 kernels before its masked attention ran in passes of ``PASS_BYTES`` with ``few_kernels``.
+and 320 tokens (``LENGTHS``; at 1k and 4k, 9 s and 62 s under the dispatch mode, its counts were 35,021 and 154,829
+per layer). PyramidInfer's layers 1-2 took 66 -> 114 kernels before its masked attention ran in passes of
+``PASS_BYTES`` with ``few_kernels``.
 """
 
 from __future__ import annotations
@@ -106,10 +110,7 @@ GROWS = {
 }
 # prompt lengths where 1k and 4k would take too long under the dispatch mode (RoCo: 9 s at 1k, 62 s at 4k)
 LENGTHS = {"roco": (160, 320)}
-# DynamicKV at budget 128 keeps a temporary r_max x base = 10 x 120 = 1,200 entries per layer first, which holds a
-# 1k prompt whole (its first keep_top is skipped; 12 kernels and one read per layer fewer than at 4k, a branch, not a
-# loop): at budget 64 (560) both prompts take the same path
-BUDGETS = {"fullkv": None, "dynamickv": 64}
+BUDGETS = {"fullkv": None}
 FIELDS = {"omnikv": {"filter_layers": [0]}}  # the default filter layers leave no sparse layer on 3 layers
 OUTSIDE = "outside"  # ops outside every attention module: embeddings, MLPs, norms, the LM head, observe_logits
 
@@ -288,6 +289,46 @@ def test_the_counts_charge_the_device_and_not_the_host(toy_llama):
     assert counts.reads[OUTSIDE] == 5 + 1 + 1 + 1
     # the product; per step a comparison and its scalar read (an op too); the copy; zeros, sum and its scalar read
     assert counts.kernels[OUTSIDE] == 1 + 5 * 2 + 1 + 3
+
+
+@pytest.mark.parametrize("granularity", ["kv_head", "query_head"])
+def test_dynamickv_re_allocations_cut_prefixes_without_a_read(granularity):
+    """DynamicKV re-allocates layers 0..l-1 after every 4th layer (8 times on a 32-layer model, 144 truncations): each
+    truncation cut its layer by ``keep_top`` (a selection, about 14 kernels and a read), 3,328 kernels and 160 reads in
+    the layers of a 32-layer toy prefill. The layers now hold the code's score-ordered temporary cache, so a
+    truncation keeps a prefix sized on the host: a copy of keys, values and positions, no read. Here on 12 layers:
+    a re-allocation reads once (its flat top-K's counts), a truncated layer costs at most 3 kernels, and a layer
+    between re-allocations costs what every such layer costs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    ids = torch.randint(3, 250, (1, 1000), generator=torch.Generator().manual_seed(3))
+    rows = {}
+    for name, budget in (("fullkv", None), ("dynamickv", 64)):
+        b = Budget.parse(budget)
+        method = build_method({"name": name, **({"granularity": granularity} if budget else {})}, b)
+        with CompressionSession(model, method, b, few_kernels=True):
+            with LayerCounts(model) as counts:
+                model(ids, use_cache=True)
+        rows[name] = counts.as_row()
+    kernels, reads = rows["dynamickv"]
+    full = rows["fullkv"][0]
+    updates = {3: 4, 7: 8, 11: 12}  # layer -> layers re-allocated (the last layer's: finish_prefill, inside it)
+    engine = {0: 1, 11: 1}  # the session's reads of the prompt's lengths and of the prefill's resident entries
+    assert {i: reads[i] for i in range(12)} == {i: (i in updates) + engine.get(i, 0) for i in range(12)}
+    plain = kernels[1]
+    assert all(kernels[i] == plain for i in range(1, 12) if i not in updates), kernels
+    # the re-allocation's own arithmetic (stack, top-K, counts) is a few kernels, then at most 3 per truncated layer
+    for i in (3, 7):
+        assert kernels[i] - plain <= 8 + 3 * updates[i], (i, kernels[i], plain)
+    # the last layer: the session's own end of prefill (as FullKV's), the last re-allocation, and finish_prefill
+    # storing every layer in position order again (a sort and a gather of keys, values and positions)
+    assert kernels[11] - plain <= (full[11] - full[1]) + 8 + 3 * 12 + 4 * 12, (kernels[11], plain, full)
+    assert len(method.last_allocation) == 12 and sum(x - method.window for x in method.last_allocation) == 56 * 12
 
 
 def test_the_cpu_form_loops_over_chunks(toy_llama):

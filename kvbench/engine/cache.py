@@ -80,6 +80,7 @@ class KVLayer(DynamicLayer):
         self.row_state: dict[str, torch.Tensor] = {}  # per-row method state, (batch, ...): e.g. D2O's EMA threshold
         self.key_channels: torch.Tensor | None = None  # (batch, heads, kept) key channels kept (ThinK), or None
         self.ragged: RaggedEntries | None = None  # the compressed prompt held flat per head (to_ragged), or None
+        self.position_ordered = True  # entries stored in position order (gather(..., position_order=False) clears it)
 
     # ---- transformers' layer API -------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -126,6 +127,7 @@ class KVLayer(DynamicLayer):
         self.row_state = {}
         self.key_channels = None
         self.ragged = None
+        self.position_ordered = True
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotAvailableError(
@@ -292,17 +294,23 @@ class KVLayer(DynamicLayer):
         """Set validity of all entries; a mask with no False is stored as None (the fast path)."""
         self.valid = None if valid is None or bool(valid.all()) else valid
 
-    def gather(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None) -> None:
+    def gather(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, position_order: bool = True) -> None:
         """Keep only entries ``index`` ``(batch, heads, k)`` (sorted by position), dropping everything else.
 
         ``keep_valid`` ``(batch, heads, k)`` marks gathered slots that are empty (rows keeping fewer than k).
         The evicted tensors are freed: the new tensors are fresh copies of the kept rows.
+
+        ``position_order=False`` stores the entries in ``index``'s order instead (a method's working layout during
+        its prefill, DynamicKV's score order, which ``keep_first`` truncates without a selection): the layer is then
+        not ``position_ordered`` until ``sort_by_position``, which the method calls before its prefill ends (the
+        session refuses a layer left out of order; decode-time code relies on position order, ``real_rank``).
         """
         self._dense_only("gather entries")
-        order = torch.argsort(torch.gather(self.positions, -1, index), dim=-1)
-        index = torch.gather(index, -1, order)
-        if keep_valid is not None:
-            keep_valid = torch.gather(keep_valid, -1, order)
+        if position_order:
+            order = torch.argsort(torch.gather(self.positions, -1, index), dim=-1)
+            index = torch.gather(index, -1, order)
+            if keep_valid is not None:
+                keep_valid = torch.gather(keep_valid, -1, order)
         self.keys = torch.gather(self.keys, 2, index.unsqueeze(-1).expand(*index.shape, self.keys.shape[-1]))
         self.values = torch.gather(self.values, 2, index.unsqueeze(-1).expand(*index.shape, self.values.shape[-1]))
         self.positions = torch.gather(self.positions, -1, index)
@@ -313,6 +321,34 @@ class KVLayer(DynamicLayer):
         self.state = {k: torch.gather(v, -1, index) for k, v in self.state.items()}
         if self.rope_pos is not None:
             self.rope_pos = torch.gather(self.rope_pos, -1, index)
+        self.position_ordered = position_order
+
+    def keep_first(self, count: int, rows: list[int] | None = None) -> None:
+        """Keep the first ``count`` stored entries of every (row, head) (fresh copies: the rest leaves memory); with
+        ``rows`` (one count per row, at most ``count``), the slots of a row past its own count become empty. In a
+        layer stored in a method's score order (``gather(..., position_order=False)``) this is a top-k without a
+        selection: a slice per tensor, no index and no read (unless the layer holds empty slots already, whose
+        validity ``set_valid`` checks)."""
+        if count < self.num_entries:
+            self._map_entries(lambda t: t[:, :, :count].contiguous(), lambda t: t[..., :count].contiguous())
+        if rows is not None and min(rows) < count:
+            b, h, n = self.positions.shape
+            short = torch.arange(n, device=self.positions.device) < torch.tensor(rows, device=self.positions.device)[
+                :, None]
+            short = short[:, None, :]
+            self.set_valid(short.expand(b, h, n).contiguous() if self.valid is None else self.valid & short)
+
+    def sort_by_position(self) -> None:
+        """Store the entries in position order again, valid entries first in each (row, head) and empty slots after
+        them (after ``gather(..., position_order=False)``); nothing to do for a layer in position order."""
+        if self.position_ordered:
+            return
+        self._dense_only("sort entries")
+        key = self.positions if self.valid is None else self.positions.masked_fill(~self.valid, self.seen)
+        order = torch.argsort(key, dim=-1, stable=True)
+        self._map_entries(lambda t: torch.gather(t, 2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1])),
+                          lambda t: torch.gather(t, -1, order), check_valid=False)
+        self.position_ordered = True
 
     def repeat_heads(self, group: int) -> None:
         """Hold ``group`` copies of every head side by side, ``(B, H, n, D)`` -> ``(B, H * group, n, D)`` with head h
@@ -413,14 +449,19 @@ class KVLayer(DynamicLayer):
         self.gather(index, None if bool(keep_valid.all()) else keep_valid)
 
     def _map_entries(self, kv: Callable[[torch.Tensor], torch.Tensor],
-                     per_entry: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                     per_entry: Callable[[torch.Tensor], torch.Tensor], check_valid: bool = True) -> None:
         """Apply an entry selection to every per-entry tensor: ``kv`` to keys and values ``(B, H, n, D)``,
-        ``per_entry`` to positions, validity, method state and RoPE positions ``(B, H, n)``."""
+        ``per_entry`` to positions, validity, method state and RoPE positions ``(B, H, n)``. ``check_valid=False``:
+        a reordering, which cannot make every slot valid (no read of the new mask)."""
         self._dense_only("evict entries")
         self.keys, self.values = kv(self.keys), kv(self.values)
         self.positions = per_entry(self.positions)
         if self.valid is not None:
-            self.set_valid(per_entry(self.valid))
+            valid = per_entry(self.valid)
+            if check_valid:
+                self.set_valid(valid)
+            else:
+                self.valid = valid
         self.state = {k: per_entry(v) for k, v in self.state.items()}
         if self.rope_pos is not None:
             self.rope_pos = per_entry(self.rope_pos)

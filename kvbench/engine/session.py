@@ -960,6 +960,10 @@ class CompressionSession:
         layers = [self._layers[i] for i in sorted(self._attention_layers)]
         if not self.budget.is_full:
             self.method.finish_prefill([self._layers[i] for i in self.compressed], ctx)
+            unordered = [i for i in self.compressed if not self._layers[i].position_ordered]
+            if unordered:  # a method's working order (KVLayer.gather(..., position_order=False)) must not reach decode
+                raise RuntimeError(f"method {self.method.name!r} left attention layers {unordered} out of position "
+                                   "order after its prefill (KVLayer.sort_by_position)")
         for i in self.compressed:  # compact positions are the compressed layers' (their RoPE: _rope_inv_freq)
             self._rerotate(self._layers[i])
         # a method that scores by the model's predictions evicts only in observe_logits, one that scores entries by

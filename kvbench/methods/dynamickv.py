@@ -93,7 +93,10 @@ class DynamicKV(Method):
       after the last layer that adds ``base H - sum_i floor(c_i / L)`` to the last layer's count before normalising.
     * Eq. 7 normalises by ``max(C)``, the code by ``sum C``: the Eq. 8 rescale undoes either up to rounding; the
       code form is used (A2.6 item 3), in exact integers unless ``allocation_arithmetic="official_code"``.
-    * Kept tokens are stored in position order, not score order (equivalent, A2.6 item 8).
+    * During prefill each layer holds the code's score-ordered temporary cache (window, then its bs entries by
+      descending score), so a re-allocation keeps a prefix of it (``KVLayer.keep_first``: sized on the host, no
+      selection, no device read); ``finish_prefill`` stores the kept tokens in position order (equivalent to the
+      code's score order, A2.6 item 8). bug_compat's window copies select by the rank key (``keep_top``).
 
     Rows whose prompt fits the budget keep everything; left-padded batches allocate per row (padding never
     scores or counts). The KVLayers of the current forward are held between ``prefill`` calls (reset at layer 0).
@@ -134,6 +137,7 @@ class DynamicKV(Method):
         self._layers: list[KVLayer] = []
         self._scores: list[torch.Tensor] = []
         self._rows: list[tuple[int, int, int]] = []  # per row: (n, base, bs); base < 0 = the prompt fits
+        self._held: list[list[int]] = []  # per held layer, the entries each row holds (window included; host ints)
 
     def min_budget_tokens(self) -> int:
         return self.window + 1
@@ -164,10 +168,21 @@ class DynamicKV(Method):
             scores = scores.masked_fill(~ctx.key_valid[:, None, : n - ws], float("-inf"))
         self._layers.append(layer)
         self._scores.append(scores)
-        layer.state[KEY] = torch.cat([rank_key(scores, self._rows), scores.new_full((*scores.shape[:2], ws),
-                                                                                    float("inf"))], dim=-1)
+        key = torch.cat([rank_key(scores, self._rows), scores.new_full((*scores.shape[:2], ws), float("inf"))], dim=-1)
+        layer.state[KEY] = key
         keep = [n_row if base < 0 else bs + ws for n_row, base, bs in self._rows]
-        keep_top(layer, layer.state[KEY], keep)
+        # the code's score-ordered temporary cache: the window, then the bs entries by descending score (rank key),
+        # then what goes (-inf: not among them, padding); a re-allocation keeps a prefix (keep_first), and
+        # finish_prefill stores the kept entries in position order again
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : max(keep)]
+        short = None
+        if min(keep) < max(keep):
+            short = torch.arange(max(keep), device=key.device) < torch.tensor(keep, device=key.device)[:, None]
+            short = short[:, None, :].expand_as(order)
+        layer.gather(order, short, position_order=False)
+        if not self.bug_compat:  # the order is the rank: only bug_compat's window copies select by the key again
+            layer.state.pop(KEY)
+        self._held.append(keep)
         last = ctx.layer_idx == ctx.num_layers - 1
         if ctx.layer_idx % self.update_interval == self.update_interval - 1 and (
                 not last or self.schedule == "official_code"):  # paper: the last layer's update is finish_prefill's
@@ -188,18 +203,23 @@ class DynamicKV(Method):
                 self._update(ctx.num_layers, final=True)
             for layer in layers:
                 layer.state.pop(KEY, None)
-        # every layer's entries per row in one read (a read per layer waits for the device once per layer)
-        counts = torch.stack([layer.valid_counts()[:, 0] for layer in layers], 1).tolist() if layers else []
+                layer.sort_by_position()
+        if self._scores and not self.bug_compat:  # every layer's entries per row, as the host set them
+            counts = [list(row) for row in zip(*self._held)]
+        else:  # in one read (a read per layer waits for the device once per layer)
+            counts = torch.stack([layer.valid_counts()[:, 0] for layer in layers], 1).tolist() if layers else []
         self.last_allocations = [list(row) for row in counts]
         self.last_allocation = self.last_allocations[0] if self.last_allocations else []
         self._reset()
 
     def _update(self, num_layers: int, final: bool) -> None:
-        """Re-allocate layers 0..l-1 (A2.3 step 4) and truncate them."""
+        """Re-allocate layers 0..l-1 (A2.3 step 4) and truncate them: each layer keeps a prefix of its score-ordered
+        cache (the window and its highest-scored entries), sized on the host (no selection, no read); bug_compat's
+        window copies select with ``keep_top`` and read what each layer holds."""
         ws, done = self.window, len(self._layers)
         targets = [[n] * done for n, _, _ in self._rows]  # entries per row and layer, window included
         extra = [[0] * done for _ in self._rows]  # bug_compat: window copies to add
-        held_all = None  # every layer's entries per row, read once (when a row needs them)
+        held_all = None  # bug_compat: every layer's entries per row, read once (when a row needs them)
         for row, (n, base, bs) in enumerate(self._rows):
             if base < 0:
                 continue
@@ -207,20 +227,25 @@ class DynamicKV(Method):
             if final and self.count_remainder:
                 counts[-1] += base * self._scores[0].shape[1] - sum(counts)
             z = (allocate if self.allocation_arithmetic == "exact" else allocate_official)(counts, bs, base, num_layers)
-            if held_all is None:
-                held_all = torch.stack([layer.valid_counts()[:, 0] for layer in self._layers], 1).tolist()
-            held = [int(c) - ws for c in held_all[row]]
             if self.bug_compat:
+                if held_all is None:
+                    held_all = torch.stack([layer.valid_counts()[:, 0] for layer in self._layers], 1).tolist()
+                held = [int(c) - ws for c in held_all[row]]
                 z = [min(x, n - ws) for x in z]
                 extra[row] = [min(max(x - h, 0), ws) for x, h in zip(z, held)]
                 z = [min(x, h) for x, h in zip(z, held)]
             else:
-                z = water_fill(z, held, base * num_layers)
+                z = water_fill(z, [h[row] - ws for h in self._held], base * num_layers)
             targets[row] = [x + ws for x in z]
         for i, layer in enumerate(self._layers):
-            keep_top(layer, layer.state[KEY], [t[i] for t in targets])
-            if max(e[i] for e in extra) > 0:
-                self._copy_window(layer, [e[i] for e in extra])
+            keep = [t[i] for t in targets]
+            if self.bug_compat:
+                keep_top(layer, layer.state[KEY], keep)
+                if max(e[i] for e in extra) > 0:
+                    self._copy_window(layer, [e[i] for e in extra])
+            elif keep != self._held[i]:  # never more than held (water_fill): a prefix of the score order
+                layer.keep_first(max(keep), keep)
+                self._held[i] = keep
 
     def _copy_window(self, layer: KVLayer, copies: list[int]) -> None:
         """bug_compat: cache the first ``copies[row]`` window tokens a second time (official code's slice)."""
