@@ -103,16 +103,28 @@ def _keep_top_per_row(layer: KVLayer, scores: torch.Tensor, caps: list[int], win
     keep_entries(layer, kept)
 
 
-def keep_entries(layer: KVLayer, kept: torch.Tensor, slots: int | None = None) -> None:
+def keep_entries(layer: KVLayer, kept: torch.Tensor, slots: int | None = None,
+                 counts: Sequence[int] | None = None) -> None:
     """Keep the entries ``kept`` ``(B, H, entries)`` marks (a selection made elsewhere: block-wise, chunk-wise,
     head-wise budgets), evicting the rest. The cache becomes ``slots`` entries long (default: the most any (row, head)
     keeps, one device read; a caller that knows no head keeps more, its budget, passes it); a (row, head) keeping
-    fewer gets empty (invalid) slots, which are allocated and count in resident bytes."""
-    k = int(kept.sum(-1).max()) if slots is None else min(slots, kept.shape[-1])
+    fewer gets empty (invalid) slots, which are allocated and count in resident bytes. ``counts``: the entries every
+    head of each row keeps, when the caller knows them as host ints (no read; ``slots`` is then their maximum)."""
+    least = None  # the fewest entries a (row, head) keeps, when known
+    if counts is not None:
+        k, least = max(counts), min(counts)
+    elif slots is None:  # the longest and the shortest (row, head) in one read: every slot is filled if they agree
+        per_head = kept.sum(-1)
+        k, least = torch.stack([per_head.max(), per_head.min()]).tolist()
+    else:
+        k = min(slots, kept.shape[-1])
     # kept entries first (stable: in stored order), then other entries as empty slots of rows keeping fewer
     index = torch.sort(kept.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :k]
+    if least is not None and least >= k:
+        layer.gather(index)
+        return
     keep_valid = torch.gather(kept, -1, index)
-    layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
+    layer.gather(index, keep_valid if least is not None or not bool(keep_valid.all()) else None)
 
 
 def unpadded_overflow(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> int | None:

@@ -29,6 +29,11 @@ def chunk_keep(scores: torch.Tensor, capacity: int, chunk: int) -> torch.Tensor:
     entries +inf in any head stay; the other valid entries, in position order, form chunks of ``chunk`` tokens (a
     remainder shorter than a chunk, the last candidates, is never kept); a chunk's score is the sum of its scores over
     its tokens and all heads; the top ``(capacity - stay) // chunk`` chunks are kept."""
+    return chunk_keep_counted(scores, capacity, chunk)[0]
+
+
+def chunk_keep_counted(scores: torch.Tensor, capacity: int, chunk: int) -> tuple[torch.Tensor, int]:
+    """``chunk_keep`` and the number of entries it keeps (host arithmetic on the one read it makes)."""
     stay = (torch.isinf(scores) & (scores > 0)).any(0)
     valid = (scores > float("-inf")).all(0)
     free = valid & ~stay
@@ -37,14 +42,14 @@ def chunk_keep(scores: torch.Tensor, capacity: int, chunk: int) -> torch.Tensor:
     k = max(0, capacity - n_stay) // chunk
     complete = n_cand // chunk  # a remainder shorter than a chunk is never a candidate
     if k == 0 or complete == 0:
-        return kept
+        return kept, n_stay
     # the candidates in position order (a stable sort, not a nonzero: its count is known)
     cand = torch.sort((~free).to(torch.uint8), stable=True).indices[:n_cand]
     summed = scores[:, cand[: complete * chunk]].sum(0)  # over heads
     chunk_scores = summed.view(complete, chunk).sum(-1)
     top = chunk_scores.topk(min(k, complete)).indices
     kept[cand[: complete * chunk].view(complete, chunk)[top].flatten()] = True
-    return kept
+    return kept, n_stay + min(k, complete) * chunk
 
 
 def chunk_keep_kvpress(scores: torch.Tensor, capacity: int, chunk: int) -> torch.Tensor:
@@ -92,24 +97,29 @@ class ChunkKV(ScorerWrapper):
         check_choice("chunkkv", "variant", self.variant, VARIANTS)
         if self.variant == "kvpress" and self.layer_reuse != 1:
             raise ConfigError("method 'chunkkv': variant=kvpress has no layer reuse (layer_reuse=1)")
-        self._reused: torch.Tensor | None = None  # kept positions' mask of the last scored layer
+        self._reused: tuple[torch.Tensor, list[int] | None] | None = None  # the last scored layer's mask and counts
 
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         if ctx.fits():
             return
         if ctx.layer_idx % self.layer_reuse and self._reused is not None and \
-                self._reused.shape[-1] == layer.num_entries:
-            kept = self._reused  # positions are the same in every layer at prefill
+                self._reused[0].shape[-1] == layer.num_entries:
+            kept, counts = self._reused  # positions are the same in every layer at prefill
         else:
             scores = self.scorer_scores(layer, ctx)
             caps = host_ints(layer, ctx.capacity)
-            pick = chunk_keep_kvpress if self.variant == "kvpress" else chunk_keep
             kept = torch.zeros(scores.shape[0], scores.shape[2], dtype=torch.bool, device=scores.device)
+            counts = []  # entries each row keeps (the paper's reading knows them from its one read)
             for row, cap in enumerate(caps):  # each row on its own tokens, as it would be alone
                 where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
-                kept[row][where] = pick(scores[row][:, where], cap, self.chunk_length)
-            self._reused = kept
+                if self.variant == "kvpress":
+                    kept[row][where] = chunk_keep_kvpress(scores[row][:, where], cap, self.chunk_length)
+                else:
+                    kept[row][where], count = chunk_keep_counted(scores[row][:, where], cap, self.chunk_length)
+                    counts.append(count)
+            counts = counts or None
+            self._reused = kept, counts
         full = kept[:, None].expand(-1, layer.keys.shape[1], -1)
         if layer.valid is not None:
             full = full & layer.valid
-        keep_entries(layer, full)
+        keep_entries(layer, full, counts=counts)

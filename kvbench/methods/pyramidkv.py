@@ -90,15 +90,7 @@ class PyramidKV(SnapKV):
                               "(schedule=kvfactory_2409); docs/baseline_readings.md says which table used which")
         check_choice(self.name, "schedule", self.schedule, SCHEDULES)
 
-    def layer_capacity(self, ctx: PrefillContext) -> torch.Tensor:
-        """Tokens this layer keeps per row (window included)."""
-        return torch.tensor(
-            [
-                self.window
-                + pyramid_capacity(int(c), int(n), self.window, self.beta, ctx.num_layers, self.schedule)[
-                    ctx.layer_idx
-                ]
-                for n, c in zip(*ctx.host_ints())
-            ],
-            device=ctx.capacity.device,
-        )
+    def layer_capacity(self, ctx: PrefillContext) -> list[int]:
+        """Tokens this layer keeps per row (window included), host ints (the pyramid is host arithmetic: no read)."""
+        return [self.window + pyramid_capacity(int(c), int(n), self.window, self.beta, ctx.num_layers,
+                                               self.schedule)[ctx.layer_idx] for n, c in zip(*ctx.host_ints())]

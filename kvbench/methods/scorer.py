@@ -113,8 +113,10 @@ class ScorerMethod(Method):
         """How per-query-head scores become one score per KV head (``engine.scores.aggregate_group``)."""
         return "mean"
 
-    def layer_capacity(self, ctx: PrefillContext) -> torch.Tensor:
-        """Entries this layer keeps per row ``(B,)`` (window included): the budget, the same in every layer."""
+    def layer_capacity(self, ctx: PrefillContext) -> torch.Tensor | list[int]:
+        """Entries this layer keeps per row (window included): a ``(B,)`` tensor or Python ints (a tensor other than
+        the layer's ``capacity``, whose ints the session gave, costs ``keep_top`` a device read). Default: the budget,
+        the same in every layer."""
         return ctx.capacity
 
     def min_budget_tokens(self) -> int:
