@@ -294,7 +294,8 @@ class KVLayer(DynamicLayer):
         """Set validity of all entries; a mask with no False is stored as None (the fast path)."""
         self.valid = None if valid is None or bool(valid.all()) else valid
 
-    def gather(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, position_order: bool = True) -> None:
+    def gather(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, position_order: bool = True,
+               partial: bool = False) -> None:
         """Keep only entries ``index`` ``(batch, heads, k)`` (sorted by position), dropping everything else.
 
         ``keep_valid`` ``(batch, heads, k)`` marks gathered slots that are empty (rows keeping fewer than k).
@@ -304,6 +305,9 @@ class KVLayer(DynamicLayer):
         its prefill, DynamicKV's score order, which ``keep_first`` truncates without a selection): the layer is then
         not ``position_ordered`` until ``sort_by_position``, which the method calls before its prefill ends (the
         session refuses a layer left out of order; decode-time code relies on position order, ``real_rank``).
+
+        ``partial=True``: the caller knows ``keep_valid`` marks an empty slot (it read so, or counted so on the host),
+        so the new mask is stored without reading whether it is all valid (``set_valid``'s read).
         """
         self._dense_only("gather entries")
         if position_order:
@@ -317,7 +321,10 @@ class KVLayer(DynamicLayer):
         valid = torch.gather(self.valid, -1, index) if self.valid is not None else None
         if keep_valid is not None:
             valid = keep_valid if valid is None else valid & keep_valid
-        self.set_valid(valid)
+        if partial and keep_valid is not None:
+            self.valid = valid
+        else:
+            self.set_valid(valid)
         self.state = {k: torch.gather(v, -1, index) for k, v in self.state.items()}
         if self.rope_pos is not None:
             self.rope_pos = torch.gather(self.rope_pos, -1, index)
@@ -446,7 +453,8 @@ class KVLayer(DynamicLayer):
         order = torch.where(keep, self.positions, -1)
         index = torch.topk(order, k, dim=-1).indices
         keep_valid = torch.gather(keep, -1, index)
-        self.gather(index, None if bool(keep_valid.all()) else keep_valid)
+        full = bool(keep_valid.all())
+        self.gather(index, None if full else keep_valid, partial=not full)
 
     def _map_entries(self, kv: Callable[[torch.Tensor], torch.Tensor],
                      per_entry: Callable[[torch.Tensor], torch.Tensor], check_valid: bool = True) -> None:

@@ -50,7 +50,8 @@ def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor | Sequence
         caps = host_ints(layer, keep)
         if len(set(caps)) == 1 and len(set(windows)) == 1:  # every row alike: one topk for the batch
             index, chosen = _top(scores, caps[0], windows[0])
-            layer.gather(index, None if bool(chosen.all()) else chosen)
+            full = bool(chosen.all())
+            layer.gather(index, None if full else chosen, partial=not full)
             return
     else:
         caps = host_ints(layer, keep)
@@ -124,7 +125,10 @@ def keep_entries(layer: KVLayer, kept: torch.Tensor, slots: int | None = None,
         layer.gather(index)
         return
     keep_valid = torch.gather(kept, -1, index)
-    layer.gather(index, keep_valid if least is not None or not bool(keep_valid.all()) else None)
+    if least is None and bool(keep_valid.all()):
+        layer.gather(index)
+    else:  # an empty slot somewhere (counted, or just read): the layer's new mask needs no read
+        layer.gather(index, keep_valid, partial=True)
 
 
 def unpadded_overflow(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> int | None:

@@ -311,7 +311,8 @@ class D2O(Method):
         gone = valid & ~torch.zeros_like(valid).scatter(-1, index, keep_valid)
         evicted = torch.sort(gone.int(), dim=-1, descending=True, stable=True).indices[..., : int(gone.sum(-1).max())]
         self._merge(layer, layer_idx, evicted, torch.gather(gone, -1, evicted), index, keep_valid)
-        layer.gather(index, None if bool(keep_valid.all()) else keep_valid)
+        full = bool(keep_valid.all())
+        layer.gather(index, None if full else keep_valid, partial=not full)
 
     def _evict_one(self, layer: KVLayer, layer_idx: int, sinks: int, recent: int) -> None:
         """A decode step on an unpadded cache whose rows share (T, M): the victim is the lowest score between the
