@@ -86,6 +86,38 @@ def test_keydiff_block_mode_scores_each_block_against_what_is_kept():
         assert kept_positions(layer)[h] == sorted(kept)
 
 
+def test_keydiff_blocks_score_as_kvpress_bit_for_bit_in_fewer_kernels():
+    """``block_keep`` computes each key's directions once per prompt and gathers them per block; kvpress's form
+    gathers the keys and scores each set with ``keydiff_scores`` (``F.normalize``, ``F.cosine_similarity``). The
+    same operations on the same values: equal kept indices on random keys of several sizes (small-norm ones too),
+    in 13 kernels per block instead of 21 (the loop is the paper's sequential procedure: one step per block)."""
+    from test_host_sync import CountOps, is_kernel
+
+    from kvbench.methods.keydiff import block_keep, keydiff_scores
+
+    def kvpress_form(keys, keep, block):
+        b, h, n, d = keys.shape
+        kept = torch.arange(keep).expand(b, h, keep)
+        for start in range(keep, n, block):
+            cand = torch.cat([kept, torch.arange(start, min(start + block, n)).expand(b, h, -1)], dim=-1)
+            scores = keydiff_scores(torch.gather(keys, 2, cand.unsqueeze(-1).expand(*cand.shape, d)))
+            kept = torch.gather(cand, -1, scores.topk(keep, dim=-1).indices)
+        return kept
+
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        keys = torch.randn(2, 2, 300 + 7 * seed, (16, 64, 128)[seed % 3], generator=g) * (1 + seed)
+        keys[..., :4, :] *= 1e-4
+        assert torch.equal(block_keep(keys, 64, 32), kvpress_form(keys, 64, 32)), seed
+    keys = torch.randn(1, 2, 64 + 3 * 32, 16)
+    counts = []
+    for form in (block_keep, kvpress_form):
+        with CountOps(is_kernel) as mode:
+            form(keys, 64, 32)
+        counts.append(mode.count)
+    assert counts == [6 + 3 * 13, 1 + 3 * 21], counts
+
+
 def test_tova_paper_evicts_the_least_attended_entry_of_every_step_heads_averaged():
     q, k, v = _inputs(n=30, hq=4, hkv=2)
     method = METHODS.build("tova", {})

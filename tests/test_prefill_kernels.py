@@ -36,7 +36,7 @@ index in the other).
 | fullkv (no budget) | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | h2o | 74/72/82 +74 | 74/72/82 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | infllm (GROWS) | 1260/1258/1268 +74 | 5148/5146/5156 +74 | 1/0/1 +0 | 1/0/1 +0 |
-| keydiff (GROWS) | 187/185/195 +74 | 691/689/699 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| keydiff (GROWS) | 136/134/144 +74 | 448/446/456 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | knorm | 39/37/47 +74 | 39/37/47 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | kvmerger | 413/411/421 +74 | 413/411/421 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | kvzip (GROWS) | 65/58/68 +277 | 104/92/102 +358 | 1/0/1 +9 | 1/0/1 +9 |
@@ -98,7 +98,8 @@ from kvbench.methods.kvmerger_ops import device_sets, merge_sets, runs_of
 GROWS = {
     "keydiff": "the paper's block-wise procedure (kvpress BlockPress, mode=block, the default): each block of "
                "block_size=128 tokens is scored against what the previous blocks kept, a sequential loop of "
-               "(n - budget) / 128 steps, 21 kernels each (189 -> 693 per layer); mode=whole_prompt is one scoring",
+               "(n - budget) / 128 steps, 13 kernels each (21 before each key's directions were computed once per "
+               "prompt: 189 -> 693 per layer, now 136 -> 448); mode=whole_prompt is one scoring",
     "roco": "the published procedure evicts per token (stride=1): token t attends over the cache that token t-1's "
             "eviction left, a loop of n - budget steps, 39 kernels each (35,021 -> 154,829 per layer)",
     "infllm": "the official chunked prefill: chunk i (exc_block_size 512, clamped to n_local) attends over the memory "

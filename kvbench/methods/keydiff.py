@@ -32,13 +32,24 @@ def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
 def block_keep(keys: torch.Tensor, keep: int, block: int) -> torch.Tensor:
     """KeyDiff's block-wise prompt processing on keys ``(B, H, n, D)``: start with the first ``keep`` tokens; for each
     following block of ``block`` tokens, score the kept tokens and the block together (the anchor of that set) and
-    keep the top ``keep``. Returns the kept entry indices ``(B, H, keep)`` (kvpress ``BlockPress`` order of work)."""
+    keep the top ``keep``. Returns the kept entry indices ``(B, H, keep)`` (kvpress ``BlockPress`` order of work).
+
+    ``keydiff_scores`` of each set, with what depends on a key alone computed once for the prompt: its direction for
+    the anchor (``F.normalize``, eps 1e-12) and for the cosine (``F.cosine_similarity``'s ``k / max(|k|, 1e-8)``),
+    gathered per block; per block the anchor, its direction and the products remain (13 kernels, not 21: the loop is
+    sequential, one step per block). The same operations on the same values: the scores are equal bit for bit."""
     b, h, n, d = keys.shape
+    norms = torch.linalg.vector_norm(keys, 2, dim=-1, keepdim=True)
+    unit = keys / norms.clamp_min(1e-12)  # F.normalize
+    unit_cos = keys / norms.clamp_min(1e-8)  # F.cosine_similarity's division of each key by its norm
     kept = torch.arange(keep, device=keys.device).expand(b, h, keep)
     for start in range(keep, n, block):
         stop = min(start + block, n)
         cand = torch.cat([kept, torch.arange(start, stop, device=keys.device).expand(b, h, stop - start)], dim=-1)
-        scores = keydiff_scores(torch.gather(keys, 2, cand.unsqueeze(-1).expand(*cand.shape, d)))
+        index = cand.unsqueeze(-1).expand(*cand.shape, d)
+        anchor = torch.gather(unit, 2, index).mean(dim=-2, keepdim=True)
+        anchor = anchor / torch.linalg.vector_norm(anchor, 2, dim=-1, keepdim=True).clamp_min(1e-8)
+        scores = -(torch.gather(unit_cos, 2, index) * anchor).sum(-1)
         kept = torch.gather(cand, -1, scores.topk(keep, dim=-1).indices)
     return kept
 
