@@ -8,29 +8,30 @@ one batched pass of blocks and its merge in a fixed number of blocks, KVMerger's
 and pointer doubling on the device, D2O's nearest kept entries in one pass. And the scoring paths read nothing back to
 the host (``.item()``, ``bool(t)``, ``nonzero``, boolean indexing): a read serialises the GPU's queue.
 
-Issue #37 (prefill within bounds on the GPU for every method): every method that runs on the toy model, per attention
-layer. Measured with ``_prefill_counts`` (``few_kernels=True``, budget 128, the 3-layer toy Llama, one row, torch 2.13
-CPU): device kernels and host reads of device tensors in layers 0/1/2, then ``+`` those outside every attention
-module (embeddings, norms, MLPs, the LM head: 74 kernels; SirLLM's ``observe_logits``; KVzip's repeat forwards
-outside attention). A method's cross-layer ``finish_prefill`` runs inside the last layer's attention.
-``LayerCounts`` counts what a GPU run would put on the device (the model's tensors and what is computed from them)
-and not what it would compute in host memory (after a ``.cpu()``, itself a read, or from factories given no device):
-D2O's allocation, a bisection over one number per layer, read the device at each step (220 reads and 1,226 kernels
-in the last layer) and now reads the layers' densities once and runs on the host (11 reads, 395 kernels: the rest is
-its per-layer compression); DynamicKV's re-allocations truncated each earlier layer with ``keep_top`` (a selection
-and a read per layer and update: 112 kernels and 8 reads in the last layer here; 3,328 kernels and 160 reads in the
-layers of a 32-layer toy at 2k, 144 truncations) and now keep a prefix of the code's score-ordered temporary cache,
-sized on the host (82 and 2 here; 2,066 and 10 on 32 layers, SnapKV's 1,763 and 34; the first keep is the same sort
-at any prompt length, so its budget-128 branch at 1k is gone); a ragged layer (AdaKV's and KVzip's layout) is built
-with two reads, not seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the kept entries'
-index in the other).
+Issue #37 (prefill within bounds on the GPU for every method): every method that runs on the toy model, per
+attention layer. Measured with ``_prefill_counts`` (``few_kernels=True``, budget 128, the 3-layer toy Llama, one
+row, torch 2.13 CPU): device kernels and host reads of device tensors in layers 0/1/2, then ``+`` those outside
+every attention module (embeddings, norms, MLPs, the LM head: 74 kernels; SirLLM's ``observe_logits``; KVzip's
+repeat forwards outside attention). A method's cross-layer ``finish_prefill`` runs inside the last layer's
+attention. ``LayerCounts`` counts what a GPU run would put on the device (the model's tensors and what is computed
+from them) and not what it would compute in host memory (after a ``.cpu()``, itself a read, or from factories given
+no device): D2O's allocation, a bisection over one number per layer, read the device at each step (220 reads and
+1,226 kernels in the last layer) and now reads the layers' densities once and runs on the host, and each layer's
+compression sizes its selection from the layer's host capacities (2 reads, 374 kernels: the rest is its per-layer
+compression, about 110 kernels a layer; on 32 layers 97 -> 2 reads); DynamicKV's re-allocations truncated each
+earlier layer with ``keep_top`` (a selection and a read per layer and update: 112 kernels and 8 reads in the last
+layer here; 3,328 kernels and 160 reads in the layers of a 32-layer toy at 2k, 144 truncations) and now keep a
+prefix of the code's score-ordered temporary cache, sized on the host (82 and 2 here; 2,066 and 10 on 32 layers,
+SnapKV's 1,763 and 34; the first keep is the same sort at any prompt length, so its budget-128 branch at 1k is
+gone); a ragged layer (AdaKV's and KVzip's layout) is built with two reads, not seven (``KVLayer.to_ragged``: its
+order check, widths and uniformity in one, the kept entries' index in the other).
 
 | method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
 |---|---|---|---|---|
 | adakv | 90/88/101 +74 | 90/88/101 +74 | 4/3/4 +0 | 4/3/4 +0 |
 | cam | 226/224/234 +74 | 226/224/234 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | chunkkv | 71/69/79 +74 | 71/69/79 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| d2o | 55/53/395 +74 | 55/53/395 +74 | 1/0/11 +0 | 1/0/11 +0 |
+| d2o | 55/53/374 +74 | 55/53/374 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | dynamickv | 48/46/82 +74 | 48/46/82 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | expected_attention | 86/84/94 +74 | 86/84/94 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | fullkv (no budget) | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
@@ -62,7 +63,7 @@ evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 41
 systems at once: 225), AdaKV (1.44x) read the device 15 times per layer (5 + one per KV head; now 4: its per-head
 budgets applied on the device, its ragged layout built from one index), DynamicKV (1.47x) read it 12 times in its
 last layer and truncated 144 layers by a selection each on 32 layers (now 2 reads, and a prefix copy per
-truncation), D2O (1.91x) 220 times in its allocation (now 11); KeyDiff (1.97x), KVzip (18.7x) and RoCo (54 s) grow
+truncation), D2O (1.91x) 220 times in its allocation (now 2); KeyDiff (1.97x), KVzip (18.7x) and RoCo (54 s) grow
 with the prompt (``GROWS``): KVzip by one repeat forward per 2,048 tokens, and by its scoring's query blocks of 4
 MiB, which on Llama-3-8B's shapes were about 260 blocks of 8 kernels per layer and chunk (145 -> 774 per layer
 here); with ``few_kernels`` they are blocks of 512 MiB (``kvzip_ops.PASS_ELEMENTS``: 65 -> 104). RoCo runs at 160
@@ -268,6 +269,21 @@ def test_prefill_counts_per_layer_do_not_grow_with_the_prompt(toy_llama, method)
         assert sum(long[0].values()) > sum(short[0].values()), f"{method} no longer grows: remove it from GROWS"
     else:
         assert short == long, (short, long)
+    # the table's host reads are the method's (its kernels depend on torch's decompositions, its reads on kvbench)
+    assert (_cells(short[1]), _cells(long[1])) == TABLE_READS[method], (method, short[1], long[1])
+
+
+def _cells(counts: dict) -> str:
+    """Per-layer counts as the table writes them: ``0/1/2 +outside``."""
+    return "/".join(str(counts[i]) for i in range(3)) + f" +{counts[OUTSIDE]}"
+
+
+def _table_reads(doc: str) -> dict[str, tuple[str, str]]:
+    rows = [line.split("|")[1:-1] for line in doc.splitlines() if line.startswith("| ") and "/" in line]
+    return {cells[0].split()[0]: (cells[3].strip(), cells[4].strip()) for cells in rows}
+
+
+TABLE_READS = _table_reads(__doc__)
 
 
 def test_the_counts_charge_the_device_and_not_the_host(toy_llama):

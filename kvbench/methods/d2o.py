@@ -305,13 +305,22 @@ class D2O(Method):
             layer.evict_one(victim)
             return
         keep = torch.minimum(counts, size)
-        index = torch.topk(scores, int(keep.max()), dim=-1).indices
+        host = None
+        if layer.valid is None:  # every entry valid, none scored -inf: the sizes are host ints (no read)
+            n = layer.num_entries
+            host = [min(n, c) for c in layer.capacity_list()]
+            most, evicted_most = max(host), n - min(host)
+        else:
+            most = int(keep.max())
+        index = torch.topk(scores, most, dim=-1).indices
         slots = torch.arange(index.shape[-1], device=index.device)
         keep_valid = (slots < keep.unsqueeze(-1)) & (torch.gather(scores, -1, index) > float("-inf"))
         gone = valid & ~torch.zeros_like(valid).scatter(-1, index, keep_valid)
-        evicted = torch.sort(gone.int(), dim=-1, descending=True, stable=True).indices[..., : int(gone.sum(-1).max())]
+        if host is None:
+            evicted_most = int(gone.sum(-1).max())
+        evicted = torch.sort(gone.int(), dim=-1, descending=True, stable=True).indices[..., :evicted_most]
         self._merge(layer, layer_idx, evicted, torch.gather(gone, -1, evicted), index, keep_valid)
-        full = bool(keep_valid.all())
+        full = min(host) == most if host is not None else bool(keep_valid.all())
         layer.gather(index, None if full else keep_valid, partial=not full)
 
     def _evict_one(self, layer: KVLayer, layer_idx: int, sinks: int, recent: int) -> None:
