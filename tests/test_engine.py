@@ -178,6 +178,38 @@ def test_a_layer_in_a_methods_order_keeps_prefixes_and_sorts_back():
     assert layer.keys.shape[2] == 6
 
 
+def test_a_prefill_reads_the_masks_it_left_unread_once_for_all_layers(toy_llama):
+    """During a method's prefill ``set_valid`` stores a layer's new mask unread (``defer_valid_check``); after the
+    last layer the session reads them all at once: a mask with no empty slot becomes None (the fast path), one with
+    an empty slot stays. A keep_top that must take a -inf entry to fill its budget marks it empty."""
+    from dataclasses import dataclass
+
+    from kvbench.methods.base import Method, keep_top
+
+    @dataclass
+    class KeepAllButOddLayers(Method):
+        name = "odd_layers_short"
+        seen: tuple = ()
+
+        def prefill(self, layer, ctx):
+            self.seen += (layer.defer_valid_check,)
+            scores = torch.zeros(layer.positions.shape, dtype=torch.float32)
+            if ctx.layer_idx % 2:  # odd layers: only 20 entries may stay, the budget takes 40
+                scores[..., 20:] = float("-inf")
+            keep_top(layer, scores, ctx.capacity)
+            assert layer.valid is not None and layer.valid_unchecked
+
+    method = KeepAllButOddLayers()
+    b = Budget.parse(40)
+    with CompressionSession(toy_llama, method, b) as session:
+        greedy_generate(toy_llama, [_prompt(60, 9)], 2, NEVER_EOS, 0)
+        layers = [session._layers[i] for i in range(3)]
+        assert method.seen == (True, True, True) and not any(layer.defer_valid_check for layer in layers)
+        assert [layer.valid is None for layer in layers] == [True, False, True]
+        assert not any(layer.valid_unchecked for layer in layers)
+        assert layers[1].valid_counts().tolist() == [[21, 21]]  # 20 kept, then the second token appended
+
+
 def test_the_session_refuses_a_layer_left_out_of_position_order(toy_llama):
     """Decode-time code relies on position order (``real_rank``): a method whose prefill leaves a layer in its own
     order stops the run in one line instead of decoding from it."""

@@ -23,38 +23,41 @@ earlier layer with ``keep_top`` (a selection and a read per layer and update: 11
 layer here; 3,328 kernels and 160 reads in the layers of a 32-layer toy at 2k, 144 truncations) and now keep a
 prefix of the code's score-ordered temporary cache, sized on the host (82 and 2 here; 2,066 and 10 on 32 layers,
 SnapKV's 1,763 and 34; the first keep is the same sort at any prompt length, so its budget-128 branch at 1k is
-gone); a ragged layer (AdaKV's and KVzip's layout) is built with two reads, not seven (``KVLayer.to_ragged``: its
-order check, widths and uniformity in one, the kept entries' index in the other).
+gone); every selection's check whether its new mask has an empty slot (``keep_top``'s, ``set_valid``'s) was a read
+per layer (SnapKV: 34 reads on 32 layers) and is now read for all layers at once after the last one
+(``KVLayer.defer_valid_check``, ``check_deferred_valid``: 3); a ragged layer (AdaKV's and KVzip's layout) is built
+with two reads, not seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the kept entries'
+index in the other).
 
 | method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
 |---|---|---|---|---|
 | adakv | 90/88/101 +74 | 90/88/101 +74 | 4/3/4 +0 | 4/3/4 +0 |
-| cam | 226/224/234 +74 | 226/224/234 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| cam | 225/223/237 +74 | 225/223/237 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | chunkkv | 71/69/79 +74 | 71/69/79 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | d2o | 55/53/374 +74 | 55/53/374 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | dynamickv | 48/46/82 +74 | 48/46/82 +74 | 1/0/2 +0 | 1/0/2 +0 |
-| expected_attention | 86/84/94 +74 | 86/84/94 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| expected_attention | 85/83/97 +74 | 85/83/97 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | fullkv (no budget) | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
-| h2o | 74/72/82 +74 | 74/72/82 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| h2o | 73/71/85 +74 | 73/71/85 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | infllm (GROWS) | 1260/1258/1268 +74 | 5148/5146/5156 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | keydiff (GROWS) | 136/134/144 +74 | 448/446/456 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| knorm | 39/37/47 +74 | 39/37/47 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| knorm | 38/36/50 +74 | 38/36/50 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | kvmerger | 413/411/421 +74 | 413/411/421 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | kvzip (GROWS) | 65/58/68 +277 | 104/92/102 +358 | 1/0/1 +9 | 1/0/1 +9 |
-| lminfinite | 127/125/135 +74 | 127/125/135 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| local | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| lminfinite | 126/124/138 +74 | 126/124/138 +74 | 1/0/2 +0 | 1/0/2 +0 |
+| local | 44/42/56 +74 | 44/42/56 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | omnikv | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | pod | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | pyramidinfer | 52/58/59 +74 | 52/58/59 +74 | 1/0/1 +0 | 1/0/1 +0 |
-| pyramidkv | 54/52/62 +74 | 54/52/62 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| pyramidkv | 53/51/65 +74 | 53/51/65 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | quest | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
-| roco (GROWS; 160 and 320 tokens) | 1325/1323/1333 +74 | 7565/7563/7573 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| roco (GROWS; 160 and 320 tokens) | 1324/1322/1336 +74 | 7564/7562/7576 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | sirllm (GROWS) | 25/23/33 +230 | 25/23/33 +266 | 1/0/1 +4 | 1/0/1 +4 |
-| snapkv | 54/52/62 +74 | 54/52/62 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| streamingllm | 48/46/56 +74 | 48/46/56 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| think | 54/52/98 +74 | 54/52/98 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| tova | 45/43/53 +74 | 45/43/53 +74 | 2/1/2 +0 | 2/1/2 +0 |
-| rkv | 79/77/87 +74 | 79/77/87 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| snapkv | 53/51/65 +74 | 53/51/65 +74 | 1/0/2 +0 | 1/0/2 +0 |
+| streamingllm | 47/45/59 +74 | 47/45/59 +74 | 1/0/2 +0 | 1/0/2 +0 |
+| think | 53/51/101 +74 | 53/51/101 +74 | 1/0/2 +0 | 1/0/2 +0 |
+| tova | 44/42/56 +74 | 44/42/56 +74 | 1/0/2 +0 | 1/0/2 +0 |
+| rkv | 78/76/90 +74 | 78/76/90 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | triattention | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 
 GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM

@@ -81,6 +81,8 @@ class KVLayer(DynamicLayer):
         self.key_channels: torch.Tensor | None = None  # (batch, heads, kept) key channels kept (ThinK), or None
         self.ragged: RaggedEntries | None = None  # the compressed prompt held flat per head (to_ragged), or None
         self.position_ordered = True  # entries stored in position order (gather(..., position_order=False) clears it)
+        self.defer_valid_check = False  # set_valid stores a mask unread (the session, around a method's prefill)
+        self.valid_unchecked = False  # valid may be all True: check_deferred_valid reads it with the other layers'
 
     # ---- transformers' layer API -------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -128,6 +130,8 @@ class KVLayer(DynamicLayer):
         self.key_channels = None
         self.ragged = None
         self.position_ordered = True
+        self.defer_valid_check = False
+        self.valid_unchecked = False
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotAvailableError(
@@ -291,7 +295,13 @@ class KVLayer(DynamicLayer):
             )
 
     def set_valid(self, valid: torch.Tensor | None) -> None:
-        """Set validity of all entries; a mask with no False is stored as None (the fast path)."""
+        """Set validity of all entries; a mask with no False is stored as None (the fast path). Under
+        ``defer_valid_check`` (a method's prefill, set by the session) the mask is stored without that read and the
+        layer is ``valid_unchecked``: the session's ``check_deferred_valid`` reads every such layer's at once after
+        the prompt's last layer, so a prefill reads once for all layers instead of once per layer."""
+        if valid is not None and self.defer_valid_check:
+            self.valid, self.valid_unchecked = valid, True
+            return
         self.valid = None if valid is None or bool(valid.all()) else valid
 
     def gather(self, index: torch.Tensor, keep_valid: torch.Tensor | None = None, position_order: bool = True,
@@ -473,6 +483,19 @@ class KVLayer(DynamicLayer):
         self.state = {k: per_entry(v) for k, v in self.state.items()}
         if self.rope_pos is not None:
             self.rope_pos = per_entry(self.rope_pos)
+
+
+def check_deferred_valid(layers: list[KVLayer]) -> None:
+    """Store as None (every entry valid: the fast path) the masks that ``set_valid`` kept unread during a prefill
+    (``KVLayer.defer_valid_check``), in one read for all the layers."""
+    pending = [layer for layer in layers if layer.valid_unchecked and layer.valid is not None]
+    if pending:
+        full = torch.stack([layer.valid.all() for layer in pending]).tolist()
+        for layer, all_valid in zip(pending, full):
+            if all_valid:
+                layer.valid = None
+    for layer in layers:
+        layer.valid_unchecked = False
 
 
 class KVCache(Cache):

@@ -39,7 +39,7 @@ from kvbench.engine.attention import (
     grouped_attention,
     register_backends,
 )
-from kvbench.engine.cache import KVLayer, ensure_kv_layer
+from kvbench.engine.cache import KVLayer, check_deferred_valid, ensure_kv_layer
 from kvbench.engine.compat import cache_kwargs, find_cache, output_cache, versions_line
 from kvbench.engine.decode_compression import CapturedCompression, DecodeCompressor, decode_context, graph_refusal
 from kvbench.engine.logits import TokenLogits
@@ -921,7 +921,11 @@ class CompressionSession:
                 self.method.prefill_attend(layer, ctx)  # its state only: the prompt's attention is the model's
         layer.set_capacity(ctx.capacity, ctx.host_ints()[1])
         if acts:
-            self.method.prefill(layer, ctx)
+            layer.defer_valid_check = True  # the layer's new mask is read with the others' (_finish_prefill)
+            try:
+                self.method.prefill(layer, ctx)
+            finally:
+                layer.defer_valid_check = False
         if idx == self._last_attention_layer:
             self._finish_prefill(prompt_ctx)
         return out, None
@@ -958,6 +962,7 @@ class CompressionSession:
     def _finish_prefill(self, ctx: PrefillContext) -> None:
         """After the last layer: cross-layer decisions (D2O's allocation, DynamicKV's last update), then stats."""
         layers = [self._layers[i] for i in sorted(self._attention_layers)]
+        check_deferred_valid(layers)  # the masks the layers' prefill stored unread, in one read
         if not self.budget.is_full:
             self.method.finish_prefill([self._layers[i] for i in self.compressed], ctx)
             unordered = [i for i in self.compressed if not self._layers[i].position_ordered]

@@ -50,6 +50,9 @@ def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor | Sequence
         caps = host_ints(layer, keep)
         if len(set(caps)) == 1 and len(set(windows)) == 1:  # every row alike: one topk for the batch
             index, chosen = _top(scores, caps[0], windows[0])
+            if layer.defer_valid_check:  # during a prefill: the session reads every layer's mask at once
+                layer.gather(index, chosen)
+                return
             full = bool(chosen.all())
             layer.gather(index, None if full else chosen, partial=not full)
             return
