@@ -42,7 +42,7 @@ index in the other).
 | infllm (GROWS) | 1260/1258/1268 +74 | 5148/5146/5156 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | keydiff (GROWS) | 136/134/144 +74 | 448/446/456 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | knorm | 38/36/50 +74 | 38/36/50 +74 | 1/0/2 +0 | 1/0/2 +0 |
-| kvmerger | 413/411/421 +74 | 413/411/421 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| kvmerger | 411/409/423 +74 | 411/409/423 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | kvzip (GROWS) | 65/58/68 +277 | 104/92/102 +358 | 1/0/1 +9 | 1/0/1 +9 |
 | lminfinite | 126/124/138 +74 | 126/124/138 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | local | 44/42/56 +74 | 44/42/56 +74 | 1/0/2 +0 | 1/0/2 +0 |
@@ -62,7 +62,7 @@ index in the other).
 
 GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM
 (3.7x) launched a constant but large number of kernels per layer (1,585 and 268; KVMerger's theta bisection now
-evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 413; CaM's merge builds its 16 blocks'
+evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 409; CaM's merge builds its 16 blocks'
 systems at once: 225), AdaKV (1.44x) read the device 15 times per layer (5 + one per KV head; now 4: its per-head
 budgets applied on the device, its ragged layout built from one index), DynamicKV (1.47x) read it 12 times in its
 last layer and truncated 144 layers by a selection each on 32 layers (now 2 reads, and a prefix copy per

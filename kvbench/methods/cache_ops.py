@@ -128,7 +128,9 @@ def keep_entries(layer: KVLayer, kept: torch.Tensor, slots: int | None = None,
         layer.gather(index)
         return
     keep_valid = torch.gather(kept, -1, index)
-    if least is None and bool(keep_valid.all()):
+    if least is None and layer.defer_valid_check:  # during a prefill: the session reads every layer's mask at once
+        layer.gather(index, keep_valid)
+    elif least is None and bool(keep_valid.all()):
         layer.gather(index)
     else:  # an empty slot somewhere (counted, or just read): the layer's new mask needs no read
         layer.gather(index, keep_valid, partial=True)
