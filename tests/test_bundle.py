@@ -303,6 +303,7 @@ main(["kvbench.bench", "bench=gpu_prefill", "model=tiny-random", "bench.warmup=0
                           timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert "HIDDEN [True, True, True, True]" in proc.stdout and f"TOKENIZER {tokenizer}" in proc.stdout
+    assert "Error importing" not in proc.stdout + proc.stderr  # Hydra's plugin scan finds kvbench's launchers whole
     assert json.loads(check.read_text())  # written: the check ran to its end
     cells = [json.loads(line) for line in
              (results / "bench" / "tiny-random" / "gpu_prefill" / "cpu" / "cells.jsonl").read_text().splitlines()]
