@@ -69,6 +69,29 @@ def test_a_jobs_samples_replay_one_graph_over_one_buffer(toy_llama, name, budget
     assert graphs <= 1  # (0 where an earlier test of this process compiled the same count, or nothing compiles)
 
 
+def test_a_content_methods_slots_only_grow_within_a_job(toy_llama):
+    """DynamicKV's layers hold what its allocation gives each (here 63-129 entries around a budget of 96): a sample
+    whose largest layer needs more than the job's count takes its own (192), and the samples after it, needing less,
+    kept it instead of returning to 128 (a second graph, and buffers at new addresses: on a GPU a graph recorded again).
+    The tokens and each sample's memory stay the host-driven path's."""
+    b = Budget.parse("96")
+    method = build_method({"name": "dynamickv"}, b)
+    release_slot_pool(toy_llama)
+    job = [(700, 5), (300, 0), (900, 1), (130, 2)]  # the first sample's allocation needs the most
+    runs = {}
+    for compile in (False, "eager"):
+        out = []
+        for n, seed in job:
+            with CompressionSession(toy_llama, method, b, compile=compile, job_lengths=(900, NEW)) as session:
+                gen = greedy_generate(toy_llama, [_prompt(n, seed)], NEW, [], 0)
+            keys = slot_pool(toy_llama)._held.get((0, "keys")) if compile else None
+            out.append((gen.tokens, gen.resident_kv_bytes_final, session.stats.resident_curve,
+                        None if keys is None else (keys.shape[-2], keys.data_ptr())))
+        runs[compile] = out
+    assert {slots for *_, slots in runs["eager"]} == {(192, runs["eager"][0][3][1])}
+    assert [r[:3] for r in runs["eager"]] == [r[:3] for r in runs[False]]
+
+
 def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):
     from kvbench.engine import graph
 

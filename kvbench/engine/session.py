@@ -404,6 +404,10 @@ class CompressionSession:
         if self.job_lengths is not None and sharing and (content or len({cap for _, cap in sharing.values()}) > 1):
             shared = max(need for need, _ in sharing.values())
             shared += -shared % GROW_ROUND
+            if content:  # never fewer than this method's layers have had for this budget and bucket: a sample whose
+                # allocation needs less than an earlier one's replays that graph (it only grows, a few times a job)
+                mark = ("content", self.method.name, self.budget, rows)
+                shared = pool.marks[mark] = max(shared, pool.marks.get(mark, 0))
             if content and needs:
                 shared = slots = max(shared, slots)
         for idx, policy, caps, held, extra, compresses, differs in plans:
