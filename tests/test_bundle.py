@@ -365,7 +365,9 @@ def test_the_session_runs_the_steps_it_is_given_in_their_order_with_their_time(t
 
     calls = tmp_path / "calls.txt"
     stub = tmp_path / "python"
-    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    # the headline bench step takes 1.2 s: the steps after it start a whole second later, so their timeouts must
+    # subtract it (a stub that took no time would pass with the subtraction left out)
+    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in *only_grids*) sleep 1.2;; esac\n')
     stub.chmod(0o755)
     bundle_dir = tmp_path / "bundle"
     bundle_dir.mkdir()
@@ -411,6 +413,7 @@ def test_the_session_runs_the_steps_it_is_given_in_their_order_with_their_time(t
     assert summary == ["install", "bench:0", "prefill", "bench", "check"]
     assert (out / "logs" / "bench-0.log").exists()
     assert_timeouts(proc.stdout, {"bench:0": 190, "prefill": 340, "bench": 400, "check": 200})
+    assert timeouts(proc.stdout)["prefill"][1] >= 1  # started after the headline step's 1.2 s: the subtraction ran
 
     proc, out, ran = session("bench,prefill")
     assert proc.returncode == 0, proc.stdout + proc.stderr
