@@ -80,6 +80,11 @@
 # Again 2026-11-29 at 464af7e (the session bundle rebuilt, 7.1 MiB; each step's header now states the seconds elapsed
 # at its start): 54 s (install 1 s, bench:0 31 s, prefill 6 s, bench 6 s, check 8 s: 31/31 methods), every step
 # passed, a 147 kB session.tgz.
+# Again 2026-11-29 at 63d45c3 in a venv with the lent GPUs' own torch 2.11.0+cu130 and transformers 5.17.0 (on this
+# CPU; numpy, pandas, scipy, psutil, pyyaml, safetensors, hf-xet, no matplotlib): 47 s (install 1 s, bench:0 28 s,
+# prefill 5 s, bench 5 s, check 7 s: 31/31 methods), every step passed, no Hydra plugin import error (f354b07), a
+# 12 kB session.tgz (no figures without matplotlib). The profiler's "gpuGetDeviceCount failed with code 35" on a CUDA
+# build without a GPU is torch's, harmless.
 # On this project's lent GPU (the device tool's `run`, from the checkout's root; .kvbundle is ignored, so it is named
 # in carry; $OUT/session.tgz comes back):
 #   carry [".kvbundle"], timeout_s 600, command:
