@@ -362,6 +362,24 @@ def tiny() -> LoadedModel:
     return load_model(spec_from_config(OmegaConf.load(REPO / "conf" / "model" / "tiny-random.yaml")))
 
 
+def test_a_gguf_tokenizer_takes_the_files_eos_and_pad():
+    """transformers 5.17 builds SmolLM2's GGUF tokenizer with eos ``<|im_start|>`` (id 1), no pad and
+    ``clean_up_tokenization_spaces=True`` (measured on this stop's torch 2.11 + transformers 5.17 venv), where the
+    file (``tokenizer.ggml.eos_token_id`` and ``padding_token_id``: 2) and transformers 5.24 say ``<|im_end|>``:
+    kvbench sets what the file says, so every supported release builds the same stop and pad ids (and a converted
+    copy keeps them). Simulated on this release by breaking the built tokenizer the way 5.17 builds it."""
+    from kvbench.models import loading
+
+    gguf = loading._smollm2_gguf()
+    built = loading._gguf_tokenizer(gguf)
+    assert (built.eos_token, built.eos_token_id, built.pad_token_id) == ("<|im_end|>", 2, 2)
+    assert built.clean_up_tokenization_spaces is False
+    built.eos_token, built.pad_token, built.clean_up_tokenization_spaces = "<|im_start|>", None, True  # 5.17's
+    loading._gguf_special_tokens(built, gguf)
+    assert (built.eos_token, built.eos_token_id, built.pad_token_id) == ("<|im_end|>", 2, 2)
+    assert built.clean_up_tokenization_spaces is False
+
+
 def test_tiny_random_shape_and_tokenizer(tiny: LoadedModel):
     assert (tiny.num_layers, tiny.num_heads, tiny.num_kv_heads, tiny.head_dim) == (4, 4, 2, 16)
     config = tiny.model.config

@@ -567,7 +567,34 @@ def _gguf_tokenizer(gguf: Path | None = None) -> Any:
     from transformers import AutoTokenizer
 
     gguf = gguf or _smollm2_gguf()
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    _gguf_special_tokens(tokenizer, gguf)
+    return tokenizer
+
+
+#: the GGUF metadata keys of the special tokens a GGUF tokenizer must carry, and the tokenizer's attribute for each
+GGUF_SPECIAL_TOKENS = (("tokenizer.ggml.eos_token_id", "eos_token"), ("tokenizer.ggml.padding_token_id", "pad_token"))
+
+
+def _gguf_special_tokens(tokenizer: Any, gguf: Path) -> None:
+    """The file's own eos and padding tokens (``tokenizer.ggml.*_token_id``) where transformers built others: 5.17
+    builds SmolLM2-135M-Instruct's eos as ``<|im_start|>`` (id 1) and no pad, where the file and transformers 5.24
+    say ``<|im_end|>`` (id 2) for both; kvbench stops generating at the eos and pads with it, and a converted copy
+    keeps what was built. A BPE tokenizer's ``clean_up_tokenization_spaces`` is False, as 5.24 builds it (5.17 sets
+    True, which it then ignores for BPE with a warning at every decode)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    for key, attr in GGUF_SPECIAL_TOKENS:
+        field = fields.get(key)
+        if field is None:
+            continue
+        wanted = int(field.parts[field.data[0]][0])
+        if getattr(tokenizer, f"{attr}_id") != wanted:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(wanted))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tokenizer.clean_up_tokenization_spaces = False
 
 
 def _convert_embedded_tokenizer(out: Path) -> None:
