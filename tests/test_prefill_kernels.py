@@ -21,7 +21,7 @@ compression sizes its selection from the layer's host capacities (2 reads, 374 k
 compression, about 110 kernels a layer; on 32 layers 97 -> 2 reads); DynamicKV's re-allocations truncated each
 earlier layer with ``keep_top`` (a selection and a read per layer and update: 112 kernels and 8 reads in the last
 layer here; 3,328 kernels and 160 reads in the layers of a 32-layer toy at 2k, 144 truncations) and now keep a
-prefix of the code's score-ordered temporary cache, sized on the host (82 and 2 here; 2,066 and 10 on 32 layers,
+prefix of the code's score-ordered temporary cache, sized on the host (81 and 2 here; 2,034 and 10 on 32 layers,
 SnapKV's 1,763 and 34; the first keep is the same sort at any prompt length, so its budget-128 branch at 1k is
 gone); every selection's check whether its new mask has an empty slot (``keep_top``'s, ``set_valid``'s) was a read
 per layer (SnapKV: 34 reads on 32 layers) and is now read for all layers at once after the last one
@@ -35,7 +35,7 @@ index in the other).
 | cam | 225/223/237 +74 | 225/223/237 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | chunkkv | 71/69/79 +74 | 71/69/79 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | d2o | 55/53/374 +74 | 55/53/374 +74 | 1/0/2 +0 | 1/0/2 +0 |
-| dynamickv | 48/46/82 +74 | 48/46/82 +74 | 1/0/2 +0 | 1/0/2 +0 |
+| dynamickv | 47/45/81 +74 | 47/45/81 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | expected_attention | 85/83/97 +74 | 85/83/97 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | fullkv (no budget) | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | h2o | 73/71/85 +74 | 73/71/85 +74 | 1/0/2 +0 | 1/0/2 +0 |

@@ -316,8 +316,8 @@ class KVLayer(DynamicLayer):
         not ``position_ordered`` until ``sort_by_position``, which the method calls before its prefill ends (the
         session refuses a layer left out of order; decode-time code relies on position order, ``real_rank``).
 
-        ``partial=True``: the caller knows ``keep_valid`` marks an empty slot (it read so, or counted so on the host),
-        so the new mask is stored without reading whether it is all valid (``set_valid``'s read).
+        ``partial=True``: the caller knows from host ints that ``keep_valid`` marks an empty slot, so the new mask is
+        stored without reading whether it is all valid (``set_valid``'s read).
         """
         self._dense_only("gather entries")
         if position_order:
@@ -462,9 +462,7 @@ class KVLayer(DynamicLayer):
         k = int(keep.sum(-1).max())
         order = torch.where(keep, self.positions, -1)
         index = torch.topk(order, k, dim=-1).indices
-        keep_valid = torch.gather(keep, -1, index)
-        full = bool(keep_valid.all())
-        self.gather(index, None if full else keep_valid, partial=not full)
+        self.gather(index, torch.gather(keep, -1, index))
 
     def _map_entries(self, kv: Callable[[torch.Tensor], torch.Tensor],
                      per_entry: Callable[[torch.Tensor], torch.Tensor], check_valid: bool = True) -> None:

@@ -50,11 +50,7 @@ def keep_top(layer: KVLayer, scores: torch.Tensor, keep: torch.Tensor | Sequence
         caps = host_ints(layer, keep)
         if len(set(caps)) == 1 and len(set(windows)) == 1:  # every row alike: one topk for the batch
             index, chosen = _top(scores, caps[0], windows[0])
-            if layer.defer_valid_check:  # during a prefill: the session reads every layer's mask at once
-                layer.gather(index, chosen)
-                return
-            full = bool(chosen.all())
-            layer.gather(index, None if full else chosen, partial=not full)
+            layer.gather(index, chosen)  # set_valid reads whether all were chosen (in a prefill: with every layer's)
             return
     else:
         caps = host_ints(layer, keep)
@@ -126,14 +122,8 @@ def keep_entries(layer: KVLayer, kept: torch.Tensor, slots: int | None = None,
     index = torch.sort(kept.to(torch.uint8), dim=-1, descending=True, stable=True).indices[..., :k]
     if least is not None and least >= k:
         layer.gather(index)
-        return
-    keep_valid = torch.gather(kept, -1, index)
-    if least is None and layer.defer_valid_check:  # during a prefill: the session reads every layer's mask at once
-        layer.gather(index, keep_valid)
-    elif least is None and bool(keep_valid.all()):
-        layer.gather(index)
-    else:  # an empty slot somewhere (counted, or just read): the layer's new mask needs no read
-        layer.gather(index, keep_valid, partial=True)
+    else:  # counted with an empty slot (no read of the new mask), or set_valid reads it (in a prefill: with all)
+        layer.gather(index, torch.gather(kept, -1, index), partial=least is not None)
 
 
 def unpadded_overflow(layer: KVLayer, keep: torch.Tensor | Sequence[int]) -> int | None:

@@ -320,8 +320,10 @@ class D2O(Method):
             evicted_most = int(gone.sum(-1).max())
         evicted = torch.sort(gone.int(), dim=-1, descending=True, stable=True).indices[..., :evicted_most]
         self._merge(layer, layer_idx, evicted, torch.gather(gone, -1, evicted), index, keep_valid)
-        full = min(host) == most if host is not None else bool(keep_valid.all())
-        layer.gather(index, None if full else keep_valid, partial=not full)
+        if host is not None and min(host) == most:  # every row keeps ``most``: no empty slot (host ints)
+            layer.gather(index)
+        else:  # host ints say a row keeps fewer (no read), or set_valid reads the mask
+            layer.gather(index, keep_valid, partial=host is not None)
 
     def _evict_one(self, layer: KVLayer, layer_idx: int, sinks: int, recent: int) -> None:
         """A decode step on an unpadded cache whose rows share (T, M): the victim is the lowest score between the

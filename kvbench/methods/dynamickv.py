@@ -169,19 +169,15 @@ class DynamicKV(Method):
         self._layers.append(layer)
         self._scores.append(scores)
         key = torch.cat([rank_key(scores, self._rows), scores.new_full((*scores.shape[:2], ws), float("inf"))], dim=-1)
-        layer.state[KEY] = key
+        if self.bug_compat:  # the stored order is the rank: only bug_compat's window copies select by the key again
+            layer.state[KEY] = key
         keep = [n_row if base < 0 else bs + ws for n_row, base, bs in self._rows]
         # the code's score-ordered temporary cache: the window, then the bs entries by descending score (rank key),
         # then what goes (-inf: not among them, padding); a re-allocation keeps a prefix (keep_first), and
         # finish_prefill stores the kept entries in position order again
-        order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : max(keep)]
-        short = None
-        if min(keep) < max(keep):
-            short = torch.arange(max(keep), device=key.device) < torch.tensor(keep, device=key.device)[:, None]
-            short = short[:, None, :].expand_as(order)
-        layer.gather(order, short, position_order=False)
-        if not self.bug_compat:  # the order is the rank: only bug_compat's window copies select by the key again
-            layer.state.pop(KEY)
+        layer.gather(torch.sort(key, dim=-1, descending=True, stable=True).indices[..., : max(keep)],
+                     position_order=False)
+        layer.keep_first(max(keep), keep)  # a row keeping fewer: its slots past its own count empty
         self._held.append(keep)
         last = ctx.layer_idx == ctx.num_layers - 1
         if ctx.layer_idx % self.update_interval == self.update_interval - 1 and (
