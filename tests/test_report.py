@@ -556,6 +556,9 @@ def test_notebook_executes(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    scratch = tmp_path / "tmpdir"  # the kernel's TMPDIR: the notebook must not leave its figures behind
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     nb = nbformat.read(work / "analysis.ipynb", as_version=4)
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                                      resources={"metadata": {"path": str(work)}})
@@ -565,3 +568,4 @@ def test_notebook_executes(tmp_path, monkeypatch):
     outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     images = [o for o in outs if "image/png" in o.get("data", {})]
     assert len(images) >= 8
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("kvbench-")]
