@@ -64,6 +64,18 @@ def _passkey(gemma: LoadedModel, length: int):
     return encode_sample(task, sample, gemma.tokenizer, gemma.spec), sample.answers[0]
 
 
+def test_gemmas_special_tokens_are_the_ggufs(gemma: LoadedModel):
+    """The tokens a stale converted copy is corrected to (``EmbeddedModel.special_tokens``) are the file's own."""
+    from gguf import GGUFReader
+
+    from kvbench.models import loading
+
+    fields = GGUFReader(str(assets.asset_file(assets.GEMMA3_270M))).fields
+    from_file = tuple((attr, gemma.tokenizer.convert_ids_to_tokens(int(fields[key].parts[fields[key].data[0]][0])))
+                      for key, attr in loading.GGUF_SPECIAL_TOKENS if key in fields)
+    assert from_file == loading.EMBEDDED_MODELS["gemma3-270m"].special_tokens
+
+
 @pytest.mark.parametrize("length", [560, 2500])
 def test_fullkv_equals_plain_generate_on_a_prompt_beyond_the_window(gemma: LoadedModel, length: int):
     """542 and 2,492 tokens: beyond the 512-token window, so the sliding layers' caches are bounded. Before the

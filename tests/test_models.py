@@ -7,6 +7,7 @@ The model cache honours KVBENCH_CACHE_DIR (CI sets it); everything else these te
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -379,6 +380,52 @@ def test_a_gguf_tokenizer_takes_the_files_eos_and_pad():
     loading._gguf_special_tokens(built, gguf)
     assert (built.eos_token, built.eos_token_id, built.pad_token_id) == ("<|im_end|>", 2, 2)
     assert built.clean_up_tokenization_spaces is False
+
+
+def _gguf_special_tokens_of(gguf, tokenizer) -> tuple[tuple[str, str], ...]:
+    from gguf import GGUFReader
+
+    from kvbench.models import loading
+
+    fields = GGUFReader(str(gguf)).fields
+    return tuple((attr, tokenizer.convert_ids_to_tokens(int(fields[key].parts[fields[key].data[0]][0])))
+                 for key, attr in loading.GGUF_SPECIAL_TOKENS if key in fields)
+
+
+def test_smollm2s_special_tokens_are_the_ggufs():
+    """The tokens a stale converted copy is corrected to (``EmbeddedModel.special_tokens``) are the file's own."""
+    from kvbench.models import loading
+
+    gguf = loading._smollm2_gguf()
+    assert _gguf_special_tokens_of(gguf, loading._gguf_tokenizer(gguf)) == \
+        loading.EMBEDDED_MODELS["smollm2-135m"].special_tokens
+
+
+def test_a_copy_converted_with_the_wrong_eos_is_read_with_the_ggufs(tmp_path, caplog):
+    """A SmolLM2 copy converted before kvbench took the GGUF's special tokens (transformers 5.17 saved eos
+    ``<|im_start|>``, no pad and clean-up on: the copy kv211cache held at stop 51) is read with the file's tokens and
+    one warning naming it; the copy itself is not rewritten."""
+    from kvbench.models import loading
+
+    good = loading._gguf_tokenizer(loading._smollm2_gguf())
+    good.eos_token, good.pad_token, good.clean_up_tokenization_spaces = "<|im_start|>", None, True  # 5.17's copy
+    stale = tmp_path / "smollm2-135m-instruct-tokenizer"
+    good.save_pretrained(stale)
+    before = {p.name: p.read_bytes() for p in stale.iterdir()}
+    embedded = loading.EMBEDDED_MODELS["smollm2-135m"]
+    with caplog.at_level(logging.WARNING, logger="kvbench.models.loading"):
+        read = loading.converted_tokenizer(stale, embedded)
+    assert (read.eos_token, read.eos_token_id, read.pad_token, read.pad_token_id) == ("<|im_end|>", 2, "<|im_end|>", 2)
+    assert read.clean_up_tokenization_spaces is False
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert str(stale) in line and "eos_token '<|im_start|>'" in line and "pad_token None" in line
+    assert {p.name: p.read_bytes() for p in stale.iterdir()} == before
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbench.models.loading"):
+        fresh = tmp_path / "fresh"
+        loading._gguf_tokenizer(loading._smollm2_gguf()).save_pretrained(fresh)
+        assert loading.converted_tokenizer(fresh, embedded).eos_token_id == 2
+    assert not caplog.records  # a right copy is read silently
 
 
 def test_tiny_random_shape_and_tokenizer(tiny: LoadedModel):

@@ -269,10 +269,11 @@ def _torch_dtype(name: str) -> Any:
 
 def _load_embedded(spec: ModelSpec, device: str) -> tuple[Any, Any]:
     """The cached safetensors copy, read in float32 (as converted) and then cast to ``spec.dtype``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    directory = embedded_model_dir(spec.path or DEFAULT_EMBEDDED)
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    name = spec.path or DEFAULT_EMBEDDED
+    directory = embedded_model_dir(name)
+    tokenizer = converted_tokenizer(directory, EMBEDDED_MODELS[name])
     model = AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=_torch_dtype("float32"), attn_implementation=spec.attn_implementation
     )
@@ -393,9 +394,7 @@ def _cuda_device_count() -> int:
 
 def _load_tiny_random(spec: ModelSpec, device: str) -> tuple[Any, Any]:
     """Random Llama weights with the real SmolLM2 tokenizer, so prompts, chat templates and EOS are realistic."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
+    tokenizer = converted_tokenizer(embedded_tokenizer_dir(), EMBEDDED_MODELS[DEFAULT_EMBEDDED])
     model = build_tiny_llama(
         resolve_tiny(spec.tiny),
         vocab_size=len(tokenizer),
@@ -597,6 +596,31 @@ def _gguf_special_tokens(tokenizer: Any, gguf: Path) -> None:
         tokenizer.clean_up_tokenization_spaces = False
 
 
+def converted_tokenizer(directory: Path, embedded: EmbeddedModel) -> Any:
+    """The tokenizer of a converted copy (``directory``), with the special tokens its GGUF file names.
+
+    A copy converted before kvbench set them from the file keeps what its transformers built: one converted with
+    transformers 5.17 stops generating at SmolLM2's ``<|im_start|>`` and has no pad token. Such a copy is read with
+    the file's tokens and one warning naming the copy (deleting it converts it again); nothing in it is rewritten,
+    since other processes may be reading it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    stale = [f"{attr} {getattr(tokenizer, attr)!r}" for attr, token in embedded.special_tokens
+             if getattr(tokenizer, attr) != token]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    bpe = backend is not None and type(backend.model).__name__ == "BPE"
+    if stale:
+        log.warning("kvbench: the converted %s copy %s carries %s (built by an older transformers); using the GGUF "
+                    "file's %s (delete the copy to convert it again)", embedded.title, directory, ", ".join(stale),
+                    ", ".join(f"{attr} {token!r}" for attr, token in embedded.special_tokens))
+        for attr, token in embedded.special_tokens:
+            setattr(tokenizer, attr, token)
+    if bpe:
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
+
+
 def _convert_embedded_tokenizer(out: Path) -> None:
     _gguf_tokenizer().save_pretrained(out)
 
@@ -648,6 +672,10 @@ class EmbeddedModel:
     terms: Callable[[], str] | None = None
     tokenizer_probe: tuple[str, tuple[int, ...]] | None = None
     tokenizer_from: str | None = None
+    #: the tokenizer attributes the GGUF file sets (``GGUF_SPECIAL_TOKENS``) and their tokens, so a copy converted
+    #: without them is read right where its GGUF is not at hand (an offline bundle ships the tokenizer only);
+    #: a test checks them against the file
+    special_tokens: tuple[tuple[str, str], ...] = ()
 
     def check_release(self) -> None:
         """Before fetching the GGUF (Gemma's 253 MB): a transformers older than ``tokenizer_from`` is refused in one
@@ -681,12 +709,14 @@ class EmbeddedModel:
 
 
 EMBEDDED_MODELS = {
-    DEFAULT_EMBEDDED: EmbeddedModel("SmolLM2-135M-Instruct", EMBEDDED_MODEL_NAME, _smollm2_gguf, 15),
+    DEFAULT_EMBEDDED: EmbeddedModel("SmolLM2-135M-Instruct", EMBEDDED_MODEL_NAME, _smollm2_gguf, 15,
+                                    special_tokens=(("eos_token", "<|im_end|>"), ("pad_token", "<|im_end|>"))),
     "gemma3-270m": EmbeddedModel(
         "Gemma-3-270M", "gemma-3-270m", lambda: assets.asset_file(assets.GEMMA3_270M), 60, terms=_gemma_terms,
         tokenizer_probe=("The pass key is 28334. Remember it.",
                          (2, 818, 1786, 2307, 563, 236743, 236778, 236828, 236800, 236800, 236812, 236761, 21429, 625,
                           236761)),
         tokenizer_from="5.23",
+        special_tokens=(("eos_token", "<eos>"), ("pad_token", "<pad>")),
     ),
 }
