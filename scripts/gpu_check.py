@@ -54,9 +54,10 @@ from kvbench.methods import METHODS, build_method  # noqa: E402
 from kvbench.models import load_model, spec_from_config  # noqa: E402
 
 MIN_OVERLAP, MAX_LOGIT_DIFF = 0.98, 1e-3
-# Methods that draw random numbers from the device's own generator (CaM's Bernoulli merges): the same seed gives
-# different draws on a CPU and a GPU, so their logits are reported, not judged, across devices.
-DEVICE_RNG = {"cam"}
+# Methods that draw random numbers from the device's own generator: the same seed would give different draws on a CPU
+# and a GPU, so their logits would be reported, not judged, across devices. None: CaM draws its prefill merges from a
+# CPU generator and its decode merges from a hash of the token's position, the same on every device.
+DEVICE_RNG: set[str] = set()
 # Methods whose prefill attends the prompt sequentially (one token or a few per step, per layer): checked on a shorter
 # prompt, so that the check fits its budget (RoCo's 1,024-token prefill took 54 s on an H200).
 SEQUENTIAL_PREFILL = {"roco": "EasyKV's encoding loop, stride 1: one token per step after the budget"}

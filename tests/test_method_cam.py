@@ -1,5 +1,6 @@
 """CaM against slow references of CaM's lm-eval loop (paper variant, continued at decode) and of KVCache-Factory's
-CAMKVCluster (prefill_only), with the Bernoulli draws re-derived from the method's seed."""
+CAMKVCluster (prefill_only), with the Bernoulli draws re-derived from the method's seed (the prefill's from its
+generator, the decode's from the documented hash)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,36 @@ def lambda_attention(q, k, s, r):
 
 def draws(seed, layer_idx, shape):
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed + 1_000_003 * layer_idx))
+
+
+def _lowbias32(x: int) -> int:
+    """Wellons' lowbias32 on Python ints, written from its definition (not kvbench's tensor code)."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2**32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) % 2**32
+    return x ^ (x >> 16)
+
+
+def decode_draw(seed: int, layer_idx: int, head: int, position: int) -> float:
+    """The documented decode draw of the token at ``position`` leaving head ``head`` of layer ``layer_idx``."""
+    key = _lowbias32((seed % 2**32) ^ _lowbias32((seed >> 32) ^ _lowbias32(layer_idx)))
+    return (_lowbias32(_lowbias32(head ^ key) ^ position) >> 8) / 2**24
+
+
+def test_decode_draws_are_the_documented_hash_and_uniform():
+    from kvbench.methods.cam_ops import decode_uniforms, layer_key
+
+    for seed, layer_idx in ((0, 0), (7, 3), (2**40 + 5, 31)):
+        positions = torch.tensor([[0, 1], [4095, 2**31 + 17]])
+        got = decode_uniforms(layer_key(seed, layer_idx), positions)
+        want = [[decode_draw(seed, layer_idx, h, int(positions[b, h])) for h in range(2)] for b in range(2)]
+        assert got.dtype == torch.float32 and got.tolist() == want
+    u = decode_uniforms(layer_key(0, 1), torch.arange(200_000).view(-1, 2))
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.std()) - 12**-0.5) < 0.005
+    assert float((u < 0.3).float().mean()) == pytest.approx(0.3, abs=0.005)
+    assert not torch.equal(u, decode_uniforms(layer_key(1, 1), torch.arange(200_000).view(-1, 2)))
 
 
 def test_paper_prefill_merges_evicts_and_outputs_like_the_loop():
@@ -87,7 +118,6 @@ def test_paper_decode_continues_the_loop_and_keeps_the_budget():
     method = CaM(seed=seed)
     method.prefill_attend(layer, ctx)
     method.prefill(layer, ctx)
-    prefill_draws = n - s - r
     # reference state after prefill, taken from the (separately tested) prefill: kept values, S of the kept tokens
     kept = list(range(s)) + list(range(n - r, n))
     qd, kd = q[0].double(), k[0].double()
@@ -95,9 +125,8 @@ def test_paper_decode_continues_the_loop_and_keeps_the_budget():
     S = [{j: sum(sum(A[kv * G + x][i].get(j, 0.0) for x in range(G)) / G for i in range(n)) for j in kept}
          for kv in range(HKV)]
     vals = [{j: layer.values[0, kv, a].double().clone() for a, j in enumerate(kept)} for kv in range(HKV)]
-    u = draws(seed, 0, (prefill_draws + steps, 1, HKV))[prefill_draws:]
     merged = 0
-    for step, t in enumerate(range(n, n + steps)):
+    for t in range(n, n + steps):
         layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
         _, probs = grouped_attention(q[:, :, t : t + 1], layer.keys, layer.values, None, D**-0.5)
         method.decode(layer, DecodeContext(layer_idx=0, num_layers=1, num_kv_heads=HKV, query=q[:, :, t : t + 1],
@@ -108,8 +137,9 @@ def test_paper_decode_continues_the_loop_and_keeps_the_budget():
             S[kv][t] = 0.0
             x = cache[s]
             p = min(S[kv][x] / max(S[kv][j] for j in cache), 1.0)
-            assert abs(float(u[step, 0, kv]) - p) > 1e-4
-            if float(u[step, 0, kv]) < p:
+            u = decode_draw(seed, 0, kv, x)
+            assert abs(u - p) > 1e-4
+            if u < p:
                 merged += 1
                 for j in cache[s + 1 : s + 1 + r]:
                     vals[kv][j] = vals[kv][j] + vals[kv][x] / r

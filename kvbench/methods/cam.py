@@ -28,7 +28,7 @@ from kvbench.methods.base import (
     real_rank,
     to_query_heads,
 )
-from kvbench.methods.cam_ops import leaving_probabilities, masked_output, merge_values
+from kvbench.methods.cam_ops import decode_uniforms, layer_key, leaving_probabilities, masked_output, merge_values
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -68,9 +68,12 @@ class CaM(Method):
     query head merges its own values and keeps its own tokens (KVCache-Factory's default mode; the cache is
     ``Hq / Hkv`` times larger).
 
-    Bernoulli draws are ``m = [u < p]`` with ``u`` uniform from a per-layer ``torch.Generator`` seeded with
-    ``seed + 1_000_003·layer`` at every prefill, drawn ``(steps, B, Hkv)`` in token order (prefill) and ``(1, B,
-    Hkv)`` per decode step, so runs are reproducible. Batch size 1 (CaM's code indexes row 0).
+    Bernoulli draws are ``m = [u < p]``, so runs are reproducible: in prefill ``u`` is uniform from a per-layer CPU
+    ``torch.Generator`` seeded with ``seed + 1_000_003·layer``, drawn ``(steps, B, Hkv)`` in token order; at decode
+    the draw for the token leaving the window is a hash of (seed, layer, head, the token's position)
+    (``cam_ops.decode_uniforms``): no generator state, so the captured decode step (``engine.decode=graph``,
+    ``static_merge``) draws what the host-driven one draws. Both are the same on every device (a GPU run merges what
+    a CPU run merges). Batch size 1 (CaM's code indexes row 0).
     """
 
     name: ClassVar[str] = "cam"
@@ -98,12 +101,6 @@ class CaM(Method):
         self.needs_decode_probs = self.variant == "paper"
         self._rng: dict[int, torch.Generator] = {}
 
-    def static_refusal(self) -> str:
-        return (
-            "the paper reading merges the token leaving the window into the next r values with a Bernoulli draw from "
-            "its per-layer generator at every step (variant=prefill_only has no decode work and is captured)"
-        )
-
     def min_budget_tokens(self) -> int:
         return self.window + 1 if self.variant == "prefill_only" else 2
 
@@ -118,12 +115,17 @@ class CaM(Method):
         return s, capacity - s
 
     def _draws(self, layer_idx: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        return torch.rand(shape, generator=self._rng[layer_idx], device=device)
+        """Uniforms from the layer's generator, a CPU one on every device: a GPU run draws what a CPU run draws (a
+        CUDA generator's stream is another). On a GPU the draws travel pinned and asynchronously (no wait)."""
+        draws = torch.rand(shape, generator=self._rng[layer_idx])
+        if torch.device(device).type == "cpu":
+            return draws
+        return draws.pin_memory().to(device, non_blocking=True)
 
     # ---- prefill ---------------------------------------------------------------------------------------------------
     def prefill_attend(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor | None:
         dev = ctx.queries.device
-        self._rng[ctx.layer_idx] = torch.Generator(device=dev).manual_seed(self.seed + 1_000_003 * ctx.layer_idx)
+        self._rng[ctx.layer_idx] = torch.Generator().manual_seed(self.seed + 1_000_003 * ctx.layer_idx)
         to_query_heads(layer, ctx, self.granularity)
         b, hq, n, d = ctx.queries.shape
         hkv = layer.keys.shape[1]
@@ -179,27 +181,53 @@ class CaM(Method):
 
     # ---- decode ----------------------------------------------------------------------------------------------------
     def static_policy(self, capacity: int, layer_idx: int = 0):
-        """KVCache-Factory's reading does nothing after prefill; the paper's merges every step (no static form)."""
+        """The paper's step in the captured decode (``static_merge``: the same merge, draw and eviction over the slots,
+        which are not in position order there); KVCache-Factory's reading does nothing after prefill."""
         from kvbench.engine.static import StaticPolicy
 
-        return StaticPolicy() if self.variant == "prefill_only" else None
+        if self.variant == "prefill_only":
+            return StaticPolicy()
+        s, r = self.split(capacity)
+        return StaticPolicy(evict=static_merge, needs_probs=True, state=("cam_acc",),
+                            params=(s, r, layer_key(self.seed, layer_idx)))
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper" or ctx.probs is None:
             return
         cap = host_ints(layer, ctx.capacity)[0]
         s, r = self.split(cap)
-        if ctx.layer_idx not in self._rng:
-            self._rng[ctx.layer_idx] = torch.Generator(device=ctx.query.device).manual_seed(
-                self.seed + 1_000_003 * ctx.layer_idx)
         layer.state["cam_step"] = ctx.probs.mean(2).sum(2)  # this step's rows, added after the merge
-        b, hkv = layer.values.shape[:2]
         while layer.num_entries > cap:
             acc = layer.state["cam_acc"]  # S_j(t): queries before this step
             p = acc[..., s] / acc.amax(-1)  # the newest entries have S = 0: the max is over start ∪ [t - r, t)
             p = torch.nan_to_num(p, nan=0.0, posinf=1.0).clamp(0.0, 1.0)
-            m = (self._draws(ctx.layer_idx, (1, b, hkv), ctx.query.device)[0] < p).to(layer.values.dtype)
+            u = decode_uniforms(layer_key(self.seed, ctx.layer_idx), layer.positions[..., s])
+            m = (u < p).to(layer.values.dtype)
             values = layer.values
             values[:, :, s + 1 : s + 1 + r] += (values[:, :, s] * m.unsqueeze(-1) / r).unsqueeze(2)
             layer.evict_at(s)
         layer.state["cam_acc"] = layer.state["cam_acc"] + layer.state.pop("cam_step")
+
+
+def static_merge(slots, probs: torch.Tensor, policy) -> None:
+    """``CaM.decode`` over a captured step's slots, in place: where a (row, head) holds more than its capacity, the
+    entry after the ``s`` start tokens in position order (the oldest recent one) leaves: merged with probability
+    ``p = S_x / max S`` (the draw of :func:`decode_uniforms` for its position) into the ``r`` entries after it, then
+    its slot freed; then the step's group-mean probabilities are added to ``S`` (``state["cam_acc"]``). The same
+    arithmetic as the host-driven step, so the values merged and the scores are the same bits."""
+    s, r, key = policy.params
+    valid, positions, values = slots.valid, slots.positions, slots.values
+    acc = slots.state["cam_acc"]
+    over = valid.sum(-1) > slots.capacity.view(-1, 1)  # (B, H): the step's token made one too many
+    ordered = positions.masked_fill(~valid, torch.iinfo(positions.dtype).max)
+    leaving_pos, leaving = torch.kthvalue(ordered, s + 1, dim=-1)  # (B, H): the (s+1)-th oldest entry
+    leaving = leaving.unsqueeze(-1)
+    held = acc.masked_fill(~valid, 0.0)
+    p = torch.gather(acc, -1, leaving).squeeze(-1) / held.amax(-1)
+    p = torch.nan_to_num(p, nan=0.0, posinf=1.0).clamp(0.0, 1.0)
+    m = (decode_uniforms(key, leaving_pos) < p).to(values.dtype)
+    source = torch.gather(values, 2, leaving.unsqueeze(-1).expand(-1, -1, 1, values.shape[-1]))  # (B, H, 1, D)
+    targets = valid & (positions > leaving_pos.unsqueeze(-1)) & over.unsqueeze(-1)
+    values.copy_(torch.where(targets.unsqueeze(-1), values + source * m.view(*m.shape, 1, 1) / r, values))
+    valid.scatter_(-1, leaving, torch.gather(valid, -1, leaving) & ~over.unsqueeze(-1))
+    acc.add_(probs.mean(2).sum(2))

@@ -157,3 +157,47 @@ def merge_values(values: torch.Tensor, merge: torch.Tensor, first: int, span: in
         prev = torch.linalg.solve_triangular(lower[blk], rhs, upper=False, unitriangular=True)
         out.append(prev)
     values[:, :, first:stop] = torch.cat(out, 2)[:, :, :length].to(values.dtype)
+
+
+# ---- decode draws --------------------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x * m mod 2**32`` for ``x`` in ``[0, 2**32)`` (int64) without an int64 overflow: two 16-bit halves."""
+    low = (x & 0xFFFF) * m
+    high = ((x >> 16) * m) & 0xFFFF
+    return (low + (high << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """Wellons' ``lowbias32`` integer hash of ``x`` in ``[0, 2**32)`` (int64 tensors, every op exact)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def layer_key(seed: int, layer_idx: int) -> int:
+    """The host part of a layer's draws (:func:`decode_uniforms`): a 32-bit key of (seed, layer), plain Python."""
+    def mix(x: int) -> int:  # lowbias32 on Python ints (the same function as _hash32)
+        x &= _M32
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & _M32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & _M32
+        return x ^ (x >> 16)
+
+    return mix((seed & _M32) ^ mix((seed >> 32) ^ mix(layer_idx)))
+
+
+def decode_uniforms(key: int, positions: torch.Tensor) -> torch.Tensor:
+    """CaM's decode-time Bernoulli draws: a uniform in ``[0, 1)`` (float32, 24 bits) for every (row, head) of
+    ``positions`` ``(B, H)`` (the position of the token leaving the window there), a hash of the layer's ``key``
+    (:func:`layer_key` of seed and layer), the head and the position. Counter-based rather than a generator's stream,
+    so a token's draw is the same whichever path decodes it (the host-driven step, the captured one: no generator
+    state in a graph) and on every device (exact integer ops: a CUDA run draws what the CPU draws)."""
+    heads = torch.arange(positions.shape[1], device=positions.device).view(1, -1)
+    x = _hash32(_hash32(heads ^ key) ^ (positions & _M32))
+    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
