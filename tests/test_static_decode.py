@@ -375,6 +375,87 @@ def test_static_cam_merges_into_the_values_of_the_default_path(toy_llama, budget
                                                            _entries(unmerged_session, "cam_acc")))
 
 
+def _pod_map(tmp_path, blocks, granularity="kv_head") -> str:
+    import json
+
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({"model": "toy", "delta": 0.5, "granularity": granularity, "num_layers": 3,
+                                "num_kv_heads": 2, "blocks": blocks}))
+    return str(path)
+
+
+#: KV head 0: layers 0-1 one block, layer 2 its own; KV head 1: layer 0 its own, layers 1-2 one block. Every layer is
+#: the lowest for one head at least, so no layer drops keys: layer 1 shares layer 0's logits on head 0 and passes its
+#: own up on head 1, layer 2 reads them there
+POD_BLOCKS = [[[0, 1], [2]], [[0], [1, 2]]]
+
+
+@pytest.mark.parametrize("fields", [{}, {"tau": 0.6}, {"prefill_mode": "full"}])
+def test_static_pod_decodes_as_the_default_path(toy_llama, tmp_path, fields, capturable):
+    """POD's captured step (eqs. 3-4 over the slots, the distant logits passed up through the shared logits buffer)
+    generates the default path's tokens, in one graph (no recompile over 40 steps), and both paths hold every entry
+    (POD frees none). The toy's greedy tokens are FullKV's too: the layer test below checks the outputs."""
+    fields = {"n_s": 4, "n_r": 8, "block_map": _pod_map(tmp_path, POD_BLOCKS), **fields}
+    eager, eager_session = _generate(toy_llama, "pod", 64, False, [_prompt()], new=40, fields=fields)
+    torch._dynamo.reset()
+    counters.clear()
+    static, seen, static_session = _capture_counts(toy_llama, "pod", 64, [_prompt()], 40, fields=fields)
+    assert static.tokens == eager.tokens
+    assert seen[-1] == 1 and all(isinstance(layer, StaticKVLayer) for layer in static_session._layers.values())
+    assert static.resident_kv_bytes_final == eager.resident_kv_bytes_final
+    assert static_session.stats.resident_curve == eager_session.stats.resident_curve
+
+
+def test_static_pod_attention_equals_attend_on_each_layer(toy_llama, tmp_path):
+    """Layer by layer, the captured step's attention output equals ``POD.attend``'s (the host-driven step) on the same
+    entries and query, for the heads that share (and gate, tau < 1) and the ones that pass their logits up."""
+    from kvbench.engine.cache import KVLayer
+    from kvbench.engine.static import StaticKVLayer, StaticPolicy, StepSlots, static_step
+    from kvbench.methods.base import DecodeContext
+    from kvbench.methods.pod import POD
+
+    g = torch.Generator().manual_seed(3)
+    n, hq, hkv, d = 40, 4, 2, 16
+    method = POD(n_s=4, n_r=8, tau=0.7, block_map=_pod_map(tmp_path, POD_BLOCKS))
+    method._structure(3, hkv)
+    shared = torch.zeros(1, hkv, hq // hkv, 1, n + 6)
+    for idx in range(3):
+        keys, values = torch.randn(1, hkv, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g)
+        query = torch.randn(1, hq, 1, d, generator=g)
+        eager = KVLayer()
+        eager.lazy_initialization(keys, values)
+        eager.keys, eager.values = keys, values
+        eager.positions = torch.arange(n).view(1, 1, n).expand(1, hkv, n).clone()
+        eager.seen = n
+        ctx = DecodeContext(layer_idx=idx, num_layers=3, num_kv_heads=hkv, query=query, probs=None,
+                            capacity=torch.tensor([64]), scaling=d**-0.5)
+        want = method.attend(eager, ctx)  # (B, 1, Hq, D), or None: the engine's standard attention
+        policy = method.static_policy(64, idx)
+        assert (want is None) == (policy.attention is None)
+        if want is None:
+            continue
+        static = StaticKVLayer.from_layer(eager, 6)
+        slots = StepSlots(static.keys, static.values, static.positions, static.valid, None,
+                          torch.tensor([[[64]]]), {}, None, query, d**-0.5, None, shared=shared)
+        got, _ = static_step(slots, policy)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        plain, _ = static_step(slots, StaticPolicy())  # standard attention over the same slots
+        shares = not all(policy.params[2])
+        assert shares == (idx > 0) and (not torch.allclose(got, plain, atol=1e-3)) == shares
+    assert method.gated > 0
+
+
+def test_pod_with_a_map_that_trims_keys_decodes_host_driven(toy_llama, tmp_path):
+    """A map leaving a layer non-lowest for every KV head trims its keys to the window: the captured step's slots
+    (a key for every value) would not free them, so engine.decode=graph refuses it in one line naming the layers."""
+    b = Budget.parse(64)
+    m = build_method({"name": "pod", "n_s": 4, "n_r": 8, "block_map": _pod_map(tmp_path, [[0, 1, 2]], "layer")}, b)
+    assert not m.has_static_step() and "layers [1, 2]" in m.static_refusal()
+    with pytest.raises(ConfigError, match="has no static decode step .*layers \\[1, 2\\]"):
+        with CompressionSession(toy_llama, m, b, compile="eager"):
+            pass
+
+
 @pytest.mark.parametrize(("selector", "reading"), [("last", None), ("softmax_before_last", None),
                                                   ("uniform", "official_code"), ("exp", "official_code"),
                                                   ("exp", "paper")])
@@ -402,7 +483,7 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, rea
     assert chosen["eager"][1:] == chosen[False][1:]
 
 
-NO_STATIC = [("sirllm", {}), ("pod", {}), ("infllm", {}),
+NO_STATIC = [("sirllm", {}), ("infllm", {}),
              ("pyramidinfer", {}),
              ("d2o", {"variant": "official_code", "bug_compat": True}),  # tau carried across samples
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
@@ -426,7 +507,7 @@ def test_every_method_without_a_static_step_says_why_in_its_own_words():
             without.append(name)
             assert type(m).static_refusal is not Method.static_refusal, f"{name}: no static_refusal of its own"
             assert m.static_refusal() != Method.static_refusal(m) and "\n" not in m.static_refusal()
-    assert {"pyramidinfer", "sirllm", "pod", "infllm", "cla", "offload"} <= set(without)
+    assert {"pyramidinfer", "sirllm", "infllm", "cla", "offload"} <= set(without)
 
 
 @pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else

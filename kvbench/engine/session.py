@@ -153,6 +153,7 @@ class CompressionSession:
         #: static layer -> (decode step it turned static at, entries it held then, the most it holds or None)
         self._occupancy: dict[int, tuple[int, int, int | None]] = {}
         self._chosen: dict[int, torch.Tensor] = {}  # a selection shared between layers, by its writer (OmniKV's filter)
+        self._shared: dict[str, torch.Tensor] = {}  # logits shared between layers, by name (StaticPolicy.shared: POD's)
         self._static_pending = False  # engine.compile: the layers become static after this decode step
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
         #: the job's longest prompt (tokens, as encoded) and its most new tokens: the captured decode sizes the layers
@@ -341,6 +342,7 @@ class CompressionSession:
         self._static.clear()
         self._occupancy.clear()
         self._chosen.clear()
+        self._shared.clear()
         self._row_bases.clear()
         self._static_pending = False
         pool = slot_pool(self.model)
@@ -425,6 +427,17 @@ class CompressionSession:
                 source, width = policy.selection
                 chosen = pool.take(("chosen", source), (rows, 1, width), torch.bool, device)
                 self._chosen[source] = self._row_base(("chosen", source), chosen.zero_(), b)
+            if policy.shared is not None:  # logits the layers naming the buffer write and read (POD's distant ones)
+                hkv, slots_count = static.keys.shape[1], static.keys.shape[2]
+                shape = (rows, hkv, self.num_heads // hkv, 1, slots_count)
+                held_shared = self._shared.get(policy.shared)
+                if held_shared is None:
+                    base = pool.take(("shared", policy.shared), shape, torch.float32, device)
+                    self._shared[policy.shared] = self._row_base(("shared", policy.shared), base.zero_(), b)
+                elif tuple(held_shared.shape[1:]) != shape[1:]:
+                    raise NotAvailableError(
+                        f"engine.decode=graph: method {self.method.name!r} shares logits {policy.shared!r} between "
+                        f"layers of {held_shared.shape[-1]} and {slots_count} slots; use engine.decode=eager")
             self._cache.layers[idx] = self._layers[idx] = static
             # the entries it holds from here on (``_record_resident``): one more per step, at most the capacity where
             # its step evicts (a row above its capacity, D2O's never-compressed ones: what it holds)
@@ -574,6 +587,8 @@ class CompressionSession:
                 repeat_last_row(base, pad_from, rows)
             if kind == "capacity":
                 self._static[idx] = (self._static[idx][0], base[:rows])
+            elif kind == "shared":
+                self._shared[idx] = base[:rows]
             else:
                 self._chosen[idx] = base[:rows]
 
@@ -583,9 +598,10 @@ class CompressionSession:
         policy, capacity = self._static[idx]
         spec = self.layer_specs[idx]
         chosen = self._chosen.get(policy.selection[0]) if policy.selection is not None else None
+        shared = self._shared.get(policy.shared) if policy.shared is not None else None
         slots = StepSlots(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity,
                           layer.row_state, chosen, query, scaling, self.rope_inv_freq, layer.key_channels,
-                          spec.softcap, spec.sinks, layer.state)
+                          spec.softcap, spec.sinks, layer.state, shared)
         return static_step(slots, policy)
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
@@ -644,6 +660,7 @@ class CompressionSession:
         rings = [] if self._captured_compression is None else \
             [t for ring in self._captured_compression.rings.values() for t in ring]  # decode compression's queries
         mark_static([t for layer in layers for t in layer.buffers()] + list(self._chosen.values()) +
+                    list(self._shared.values()) +
                     [self._static[i][1] for i in self._static] + tensors + [attended, self._attended_column] + rings)
         impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(GRAPH_IMPL)

@@ -44,7 +44,8 @@ class StepSlots(NamedTuple):
     fewer channels than its queries (ThinK), the channels they keep ``key_channels`` ``(B, Hkv, D_kept)`` (or None:
     ``keys`` are then ``(B, Hkv, C, D_kept)``, ``values`` keep ``D``), and the layer's logit soft-cap ``softcap`` (Gemma
     2) and per-query-head sink logits ``sinks`` ``(Hq,)`` (GPT-OSS), as the model's attention applies them (or None),
-    and the layer's per-entry statistics ``state`` (``StaticPolicy.state``: name -> ``(B, Hkv, C)``)."""
+    the layer's per-entry statistics ``state`` (``StaticPolicy.state``: name -> ``(B, Hkv, C)``), and the logits
+    buffer ``shared`` ``(B, Hkv, g, 1, C)`` float32 the layers naming it share (``StaticPolicy.shared``, or None)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -61,6 +62,7 @@ class StepSlots(NamedTuple):
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     state: dict | None = None
+    shared: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,11 @@ class StaticPolicy:
       RoCo's attention sums, squares and counts);
     * ``params``: the method's constants its functions read (its sinks, recent window, page sizes, merge settings);
     * ``slot_multiple``: the layer's slot count a multiple of this (Quest's pages);
-    * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads.
+    * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads;
+    * ``shared``: the name of a buffer of attention logits ``(B, Hkv, g, 1, C)`` float32 that every layer naming it
+      sees (``slots.shared``; one per name and generation, zero at the start; the layers naming it hold the same slot
+      count): the method's functions write and read it in layer order (POD's distant logits of each KV head's block,
+      computed by the block's lowest layer and used by the layers above it).
 
     The functions are pure tensor code (no host read, no data-dependent shape) defined at module level in the method's
     own file (a graph's guard on them then holds across sessions); the engine calls them and names no method. None
@@ -99,6 +105,7 @@ class StaticPolicy:
     params: tuple = ()
     slot_multiple: int = 1
     selection: tuple[int, int] | None = None
+    shared: str | None = None
 
     def __post_init__(self) -> None:
         if self.acc_agg not in ("mean", "max"):

@@ -110,9 +110,30 @@ class POD(Method):
 
     def static_refusal(self) -> str:
         return (
-            "its decode attention is its own: non-lowest layers combine their proximal attention with the block's "
-            "lowest layer's distant logits through the log-sum-exp gate"
+            "its block map leaves layers that are non-lowest for every KV head with the keys of the window only "
+            f"(layers {sorted(trimmed_layers(self._map)) if self._map else []}), and the captured step's slots hold a "
+            "key for every value; maps without such layers (and no map) decode captured"
         )
+
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """The captured decode step (``static_attention``: ``attend``'s eqs. 3-4 over the slots, which POD fills in
+        entry order and never frees), the block's distant logits passed up through the step's shared logits buffer
+        (per KV head: blocks are consecutive layers, so a head's buffer holds its current block's lowest layer's).
+        None where the map trims a layer's keys (``static_refusal``). Before the first prefill the layer roles are
+        not known yet: a plain policy. The gate counters (``gated``, ``skipped``) count host-driven steps only."""
+        from kvbench.engine.static import StaticPolicy
+
+        if self._map is not None and trimmed_layers(self._map):
+            return None
+        if self._lowest is None or layer_idx >= len(self._lowest):
+            return StaticPolicy()
+        row = self._lowest[layer_idx]
+        own = tuple(src == layer_idx for src in row)
+        if all(own) and layer_idx not in self._sources:
+            return StaticPolicy()  # standard attention, and no layer above reads this one's logits
+        offsets = None if self._offsets is None else tuple(float(x) for x in self._offsets[layer_idx].tolist())
+        return StaticPolicy(attention=static_attention, shared="pod_distant",
+                            params=(self.n_s, self.n_r, own, offsets, self.tau))
 
     def _calibration(self) -> torch.Tensor:
         cal = (self._map or {}).get("gate_offsets")
@@ -237,3 +258,33 @@ class POD(Method):
         if kept != total or self.trims_keys(ctx.layer_idx, ctx.num_layers, ctx.num_kv_heads):
             self._trim(layer)
         return out.reshape(b, hq, q, d).transpose(1, 2).contiguous()
+
+
+def static_attention(slots, policy) -> torch.Tensor:
+    """``POD.attend`` over a captured step's slots (batch 1; slot ``j`` holds entry ``j``: POD never frees one), output
+    ``(B, Hq, 1, D)``. The KV heads of which this layer is the block's lowest attend every entry with their own logits
+    and write their distant logits (eq. 3's D set of this step's query, -inf elsewhere) into ``slots.shared``; the
+    others combine their own logits on the proximal set with the shared distant logits (plus a calibrated offset)
+    through eq. 4's gate (``gate_combine``), applied to their own values."""
+    n_s, n_r, own, offsets, tau = policy.params
+    keys, values, valid, query = slots.keys, slots.values, slots.valid, slots.query
+    b, hq, q, d = query.shape
+    hkv, c = keys.shape[1], keys.shape[2]
+    qg = query.view(b, hkv, hq // hkv, q, d)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * slots.scaling
+    slot = torch.arange(c, device=keys.device)
+    newest = valid.sum(-1, keepdim=True) - 1  # (B, Hkv, 1): this step's entry
+    distant = valid & (slot >= n_s) & (slot <= newest - n_r)
+    attended, distant = valid.view(b, hkv, 1, 1, c), distant.view(b, hkv, 1, 1, c)
+    lowest = torch.tensor(own, device=keys.device).view(1, hkv, 1, 1, 1)
+    probs = torch.softmax(logits.masked_fill(~attended, float("-inf")), dim=-1)
+    out_own = probs.to(values.dtype) @ values.unsqueeze(2)
+    shared = slots.shared
+    from_below = shared
+    if offsets is not None:
+        from_below = shared + torch.tensor(offsets, device=keys.device).view(1, hkv, 1, 1, 1)
+    logits_p = logits.masked_fill(~(attended & ~distant), float("-inf"))
+    combined, _ = gate_combine(logits_p, values.unsqueeze(2), from_below, values.unsqueeze(2), tau)
+    shared.copy_(torch.where(lowest, logits.masked_fill(~distant, float("-inf")), shared))
+    out = torch.where(lowest, out_own, combined.to(values.dtype))
+    return out.reshape(b, hq, q, d)
