@@ -406,54 +406,83 @@ def test_static_pod_decodes_as_the_default_path(toy_llama, tmp_path, fields, cap
     assert static_session.stats.resident_curve == eager_session.stats.resident_curve
 
 
-def test_static_pod_attention_equals_attend_on_each_layer(toy_llama, tmp_path):
+@pytest.mark.parametrize("n", [40, 10])  # 10 = n_s + n_r - 2: the window reaches down to the first non-sink entry
+@pytest.mark.parametrize("blocks, granularity", [(POD_BLOCKS, "kv_head"), ([[0, 1, 2]], "layer")])
+def test_static_pod_attention_equals_attend_on_each_layer(toy_llama, tmp_path, blocks, granularity, n):
     """Layer by layer, the captured step's attention output equals ``POD.attend``'s (the host-driven step) on the same
-    entries and query, for the heads that share (and gate, tau < 1) and the ones that pass their logits up."""
+    entries and query, for the heads that share (and gate, tau < 1), the ones that pass their logits up, and the
+    layers that keep only the window's keys (``granularity: layer``: layers 1 and 2, keys in the ring)."""
     from kvbench.engine.cache import KVLayer
     from kvbench.engine.static import StaticKVLayer, StaticPolicy, StepSlots, static_step
     from kvbench.methods.base import DecodeContext
     from kvbench.methods.pod import POD
 
     g = torch.Generator().manual_seed(3)
-    n, hq, hkv, d = 40, 4, 2, 16
-    method = POD(n_s=4, n_r=8, tau=0.7, block_map=_pod_map(tmp_path, POD_BLOCKS))
+    hq, hkv, d, n_s, n_r = 4, 2, 16, 4, 8
+    method = POD(n_s=n_s, n_r=n_r, tau=0.7, block_map=_pod_map(tmp_path, blocks, granularity))
     method._structure(3, hkv)
     shared = torch.zeros(1, hkv, hq // hkv, 1, n + 6)
     for idx in range(3):
         keys, values = torch.randn(1, hkv, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g)
         query = torch.randn(1, hq, 1, d, generator=g)
+        policy = method.static_policy(64, idx)
         eager = KVLayer()
         eager.lazy_initialization(keys, values)
+        if policy.key_window is not None:  # trimmed: sinks and the last n_r - 1 entries, then this step's key
+            keys = torch.cat([keys[:, :, :n_s], keys[:, :, max(n_s, n - n_r) :]], dim=2)
         eager.keys, eager.values = keys, values
         eager.positions = torch.arange(n).view(1, 1, n).expand(1, hkv, n).clone()
         eager.seen = n
+        static = StaticKVLayer.from_layer(eager, 6, key_window=policy.key_window)
+        assert static.keys.shape[2] == (n_s + n_r if policy.key_window else n + 6)
         ctx = DecodeContext(layer_idx=idx, num_layers=3, num_kv_heads=hkv, query=query, probs=None,
                             capacity=torch.tensor([64]), scaling=d**-0.5)
         want = method.attend(eager, ctx)  # (B, 1, Hq, D), or None: the engine's standard attention
-        policy = method.static_policy(64, idx)
         assert (want is None) == (policy.attention is None)
         if want is None:
             continue
-        static = StaticKVLayer.from_layer(eager, 6)
         slots = StepSlots(static.keys, static.values, static.positions, static.valid, None,
                           torch.tensor([[[64]]]), {}, None, query, d**-0.5, None, shared=shared)
         got, _ = static_step(slots, policy)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-        plain, _ = static_step(slots, StaticPolicy())  # standard attention over the same slots
-        shares = not all(policy.params[2])
-        assert shares == (idx > 0) and (not torch.allclose(got, plain, atol=1e-3)) == shares
+        assert (policy.key_window is not None) == (granularity == "layer" and idx > 0)
+        if policy.key_window is None and n > n_s + n_r:  # (no distant entry at 10: standard attention)
+            plain, _ = static_step(slots, StaticPolicy())  # standard attention over the same slots
+            shares = not all(policy.params[2])
+            assert shares == (idx > 0) and (not torch.allclose(got, plain, atol=1e-3)) == shares
     assert method.gated > 0
 
 
-def test_pod_with_a_map_that_trims_keys_decodes_host_driven(toy_llama, tmp_path):
-    """A map leaving a layer non-lowest for every KV head trims its keys to the window: the captured step's slots
-    (a key for every value) would not free them, so engine.decode=graph refuses it in one line naming the layers."""
-    b = Budget.parse(64)
-    m = build_method({"name": "pod", "n_s": 4, "n_r": 8, "block_map": _pod_map(tmp_path, [[0, 1, 2]], "layer")}, b)
-    assert not m.has_static_step() and "layers [1, 2]" in m.static_refusal()
-    with pytest.raises(ConfigError, match="has no static decode step .*layers \\[1, 2\\]"):
-        with CompressionSession(toy_llama, m, b, compile="eager"):
-            pass
+@pytest.mark.parametrize("blocks, granularity", [([[0, 1, 2]], "layer"), ([[[0, 1, 2]], [[0, 1], [2]]], "kv_head")])
+def test_static_pod_keeps_only_the_windows_keys_where_the_map_trims(toy_llama, tmp_path, blocks, granularity,
+                                                                     capturable):
+    """A layer that is non-lowest for every KV head keeps keys for its n_s sinks and last n_r - 1 entries (values for
+    all): its static layer holds them in a ring of n_s + n_r key slots (StaticPolicy.key_window), the step's key
+    overwriting the one that left the window. The captured step generates the default path's tokens in one graph,
+    with the same resident bytes after prefill and at every step (the trimmed keys stay freed)."""
+    n_s, n_r = 4, 8
+    fields = {"n_s": n_s, "n_r": n_r, "block_map": _pod_map(tmp_path, blocks, granularity)}
+    eager, eager_session = _generate(toy_llama, "pod", 64, False, [_prompt()], new=40, fields=fields)
+    torch._dynamo.reset()
+    counters.clear()
+    static, seen, static_session = _capture_counts(toy_llama, "pod", 64, [_prompt()], 40, fields=fields)
+    assert static.tokens == eager.tokens and seen[-1] == 1
+    trimmed = [1, 2] if granularity == "layer" else [1]
+    for idx, layer in static_session._layers.items():
+        assert layer.keys.shape[2] == (n_s + n_r if idx in trimmed else layer.values.shape[2])
+    assert static.resident_kv_bytes_final == eager.resident_kv_bytes_final
+    assert static_session.stats.resident_kv_bytes_after_prefill == eager_session.stats.resident_kv_bytes_after_prefill
+    assert static_session.stats.resident_curve == eager_session.stats.resident_curve
+    for idx in trimmed:  # the ring holds the keys the host-driven layer kept, each at its entry's slot
+        held, ring = eager_session._layers[idx], static_session._layers[idx]
+        total = held.values.shape[2]
+        ids = list(range(n_s)) + list(range(total - (n_r - 1), total))
+        assert held.keys.shape[2] == len(ids)
+        slots = [j if j < n_s else n_s + (j - n_s) % n_r for j in ids]
+        torch.testing.assert_close(ring.keys[:, :, slots], held.keys, rtol=0, atol=1e-5)
+    entry = 16 * 4  # one key or value: head_dim 16, float32
+    full = 3 * 2 * (200 + 39) * 2 * entry
+    assert static.resident_kv_bytes_final == full - len(trimmed) * 2 * (200 + 39 - n_s - (n_r - 1)) * entry
 
 
 @pytest.mark.parametrize(("selector", "reading"), [("last", None), ("softmax_before_last", None),

@@ -370,7 +370,8 @@ class CompressionSession:
                 policy = StaticPolicy()
             if spec.sliding and policy.evict is None:  # the window: the oldest entry leaves past window - 1
                 policy, caps = StaticPolicy(evict=evict_oldest), [spec.window - 1] * len(caps)
-            held = layer.num_entries  # a ragged layer: its longest head and the tail
+            # a ragged layer: its longest head and the tail; a layer with a key window: its values (keys: the window's)
+            held = layer.num_entries if policy.key_window is None else layer.values.shape[2]
             compresses = compression is not None and idx in self._method_index
             extra = _extra_slots(policy, caps, held, compression if compresses else None, self.budget,
                                  self._reserve, layer.seen)
@@ -420,7 +421,8 @@ class CompressionSession:
                 extra = shared - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             state = ("acc",) * policy.accumulate + policy.state
-            static = StaticKVLayer.from_layer(layer, extra, state, rows, pool.taker((idx,), device))
+            static = StaticKVLayer.from_layer(layer, extra, state, rows, pool.taker((idx,), device),
+                                              key_window=policy.key_window)
             if compresses:
                 self._captured_layer(compression, idx, layer, static, rows, pool)
             if policy.choose is not None:  # a selection later layers attend through (OmniKV's filter layer)
@@ -428,7 +430,7 @@ class CompressionSession:
                 chosen = pool.take(("chosen", source), (rows, 1, width), torch.bool, device)
                 self._chosen[source] = self._row_base(("chosen", source), chosen.zero_(), b)
             if policy.shared is not None:  # logits the layers naming the buffer write and read (POD's distant ones)
-                hkv, slots_count = static.keys.shape[1], static.keys.shape[2]
+                hkv, slots_count = static.values.shape[1], static.values.shape[2]
                 shape = (rows, hkv, self.num_heads // hkv, 1, slots_count)
                 held_shared = self._shared.get(policy.shared)
                 if held_shared is None:
@@ -1021,6 +1023,7 @@ class CompressionSession:
                 count = layer.num_entries
             if i in self._static:
                 layer.entries = count  # its resident bytes (StaticKVLayer.resident_bytes)
+                count = layer.keys_held(count)  # what the host-driven layer's length counts: its keys (POD's trimmed)
             counts.append(count)
         if counts:
             mean = sum(counts) / len(counts)

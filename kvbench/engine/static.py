@@ -85,6 +85,11 @@ class StaticPolicy:
     * ``params``: the method's constants its functions read (its sinks, recent window, page sizes, merge settings);
     * ``slot_multiple``: the layer's slot count a multiple of this (Quest's pages);
     * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads;
+    * ``key_window``: ``(sinks, recent)``: the layer keeps keys for its first ``sinks`` entries and its last
+      ``recent`` only (values for every entry: POD's layers that use only other layers' distant logits), in a ring of
+      ``sinks + recent`` key slots (entry ``j``'s key in slot ``j`` below ``sinks``, else ``sinks + (j - sinks) %
+      recent``; the step's key overwrites the one that left the window); for a layer whose entries fill its slots in
+      order and are never freed;
     * ``shared``: the name of a buffer of attention logits ``(B, Hkv, g, 1, C)`` float32 that every layer naming it
       sees (``slots.shared``; one per name and generation, zero at the start; the layers naming it hold the same slot
       count): the method's functions write and read it in layer order (POD's distant logits of each KV head's block,
@@ -106,6 +111,7 @@ class StaticPolicy:
     slot_multiple: int = 1
     selection: tuple[int, int] | None = None
     shared: str | None = None
+    key_window: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.acc_agg not in ("mean", "max"):
@@ -183,22 +189,40 @@ def release_slot_pool(model) -> None:
         pool.clear()
 
 
+def _key_ring(keys: torch.Tensor, entries: int, sinks: int, recent: int) -> torch.Tensor:
+    """The keys of a layer holding ``entries`` entries whose keys are those of its first ``sinks`` entries and its last
+    ``keys.shape[2] - min(entries, sinks)`` (at most ``recent``), in a ring of ``sinks + recent`` slots
+    (``StaticPolicy.key_window``); the other slots zero."""
+    b, h, kept, d = keys.shape
+    head = min(entries, sinks)
+    tail = kept - head
+    if tail > recent:
+        raise ValueError(f"a key window of {sinks} + {recent} cannot hold {kept} keys")
+    ids = list(range(head)) + list(range(entries - tail, entries))
+    slots = torch.tensor([j if j < sinks else sinks + (j - sinks) % recent for j in ids], device=keys.device)
+    ring = keys.new_zeros(b, h, sinks + recent, d)
+    ring[:, :, slots] = keys
+    return ring
+
+
 class StaticKVLayer(KVLayer):
     """A ``KVLayer`` with a fixed number of slots; ``valid`` marks the occupied ones (always a tensor here)."""
 
     @classmethod
     def from_layer(cls, layer: KVLayer, extra: int, state: tuple[str, ...] = (), rows: int | None = None,
-                   take: Callable[[str, tuple, torch.dtype], torch.Tensor] | None = None) -> StaticKVLayer:
+                   take: Callable[[str, tuple, torch.dtype], torch.Tensor] | None = None,
+                   key_window: tuple[int, int] | None = None) -> StaticKVLayer:
         """The entries of ``layer`` in a layer with ``extra`` free slots per (row, head) after them. Every tensor is
         the first rows of a buffer of ``rows`` rows (the captured step's batch bucket; ``pad_rows`` fills the rest)
         that ``take(name, shape, dtype)`` hands out (``SlotPool.taker``: the same buffers for every generation of the
         same shapes, so a CUDA graph replays over the same addresses), or a new one. ``state``: the per-entry
         statistics the step keeps (``acc`` where it accumulates, a method's own ``StaticPolicy.state``), float32, from
-        the layer's ``state`` (zero where it has none)."""
+        the layer's ``state`` (zero where it has none). ``key_window``: ``StaticPolicy.key_window``; the layer's keys
+        are then those of its first ``sinks`` entries and its last ones (at most ``recent``), laid into the ring."""
         ragged = layer.ragged is not None  # each head's kept entries flat (AdaKV's, KVzip's layout): its padded view
         keys, values, valid = layer.attention_view()
         positions = layer.position_view()[0]
-        b, h, n, d = keys.shape
+        b, h, n, d = values.shape
         rows = max(rows or b, b)
         device = keys.device
         new = cls()
@@ -217,7 +241,12 @@ class StaticKVLayer(KVLayer):
             new._bases[name] = base
             return base[:b]
 
-        new.keys, new.values = place("keys", keys), place("values", values)
+        new.key_window = key_window
+        if key_window is None:
+            new.keys = place("keys", keys)
+        else:
+            new.keys = place("keys", _key_ring(keys, n, *key_window), slots=False)
+        new.values = place("values", values)
         new.positions = place("positions", positions)
         valid = valid if valid is not None else torch.ones(b, h, n, dtype=torch.bool, device=device)
         new.valid = place("valid", valid)
@@ -298,7 +327,11 @@ class StaticKVLayer(KVLayer):
         else:  # after the entries the eager layer would hold (invalid slots among them stay where they are)
             slot = self.fill.view(1, 1, 1).expand(*self.valid.shape[:2], 1).clone()  # not a view of what moves on
             self.fill.add_(1)
-        self.keys.scatter_(2, slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1]), key_states)
+        key_slot = slot
+        if self.key_window is not None:  # the ring: entry j (its values' slot) -> its key's slot
+            sinks, recent = self.key_window
+            key_slot = torch.where(slot < sinks, slot, sinks + (slot - sinks) % recent)
+        self.keys.scatter_(2, key_slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1]), key_states)
         self.values.scatter_(2, slot.unsqueeze(-1).expand(*slot.shape, self.values.shape[-1]), value_states)
         at = positions.view(-1, 1, 1).expand_as(slot) if isinstance(positions, torch.Tensor) else \
             torch.full_like(slot, positions)
@@ -361,14 +394,30 @@ class StaticKVLayer(KVLayer):
         Its empty slots are the captured step's working layout (sized for the batch bucket, the job's longest prompt
         and the generation's new tokens), as a bucket's extra rows are: what a method keeps is the same whichever path
         decodes it. A layer made from a ragged one (heads keeping different numbers) counts the entries its heads
-        hold, as the ragged layer did. Without a count (a layer built outside a session): every slot."""
+        hold, as the ragged layer did. A layer with a key window (``StaticPolicy.key_window``) holds the keys of its
+        first ``sinks`` and last ``recent - 1`` entries between steps (the next step's key completes the window), as
+        the host-driven layer trims them. Without a count (a layer built outside a session): every slot."""
         per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        window = getattr(self, "key_window", None)
+        entries = getattr(self, "entries", None)
+        if window is not None and entries is not None:  # keys for the window's entries, values for all
+            return self.keys.shape[0] * self.keys.shape[1] * (
+                self.keys_held(entries) * self.keys.shape[-1] * self.keys.element_size() +
+                entries * self.values.shape[-1] * self.values.element_size())
         if getattr(self, "kept_bytes_only", False):
             return int(self.valid.sum()) * per_entry
-        entries = getattr(self, "entries", None)
         if entries is not None:
             return self.keys.shape[0] * self.keys.shape[1] * entries * per_entry
         return super().resident_bytes()
+
+    def keys_held(self, entries: int) -> int:
+        """The keys a layer holding ``entries`` entries holds between steps: all of them, or with a key window those
+        of its first ``sinks`` and last ``recent - 1`` entries (the host-driven layer's length, ``num_entries``)."""
+        window = getattr(self, "key_window", None)
+        if window is None:
+            return entries
+        sinks, recent = window
+        return min(entries, sinks) + min(max(entries - sinks, 0), recent - 1)
 
     def valid_counts(self) -> torch.Tensor:
         return self.valid.sum(-1)

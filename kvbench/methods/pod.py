@@ -39,7 +39,8 @@ class POD(Method):
     with them, sinks + the last ``n_r - 1`` tokens (values for all tokens); it drops them at prefill and after every
     decode step. The engine's cache is ``(B, H, T, D)`` per layer, so in a layer where some KV heads are lowest and
     others not, all keys stay resident (the non-lowest heads still use the shared logits): with a per-KV-head map
-    the realised saving is below the paper's per-head figure; a ``granularity: layer`` map realises all of it.
+    the realised saving is below the paper's per-head figure; a ``granularity: layer`` map realises all of it. The
+    captured decode (``engine.decode=graph``) keeps such a layer's keys in a ring of ``n_s + n_r`` slots: the same.
 
     Prefill (``prefill="shared"``, default): the prompt is attended with the same eqs. 3-4 (the attention definition
     changes in both phases, A5.4; a post-trained model, ``scripts/pod_adapt.py``, is trained with exactly this),
@@ -108,23 +109,15 @@ class POD(Method):
         self.skipped = 0  # (layer, head, query) distant parts skipped by the tau gate
         self.gated = 0
 
-    def static_refusal(self) -> str:
-        return (
-            "its block map leaves layers that are non-lowest for every KV head with the keys of the window only "
-            f"(layers {sorted(trimmed_layers(self._map)) if self._map else []}), and the captured step's slots hold a "
-            "key for every value; maps without such layers (and no map) decode captured"
-        )
-
     def static_policy(self, capacity: int, layer_idx: int = 0):
         """The captured decode step (``static_attention``: ``attend``'s eqs. 3-4 over the slots, which POD fills in
         entry order and never frees), the block's distant logits passed up through the step's shared logits buffer
-        (per KV head: blocks are consecutive layers, so a head's buffer holds its current block's lowest layer's).
-        None where the map trims a layer's keys (``static_refusal``). Before the first prefill the layer roles are
-        not known yet: a plain policy. The gate counters (``gated``, ``skipped``) count host-driven steps only."""
+        (per KV head: blocks are consecutive layers, so a head's buffer holds its current block's lowest layer's). A
+        layer that is non-lowest for every KV head keeps its keys in a window of ``n_s + n_r`` slots
+        (``key_window``), as ``_trim`` keeps them. Before the first prefill the layer roles are not known yet: a plain
+        policy. The gate counters (``gated``, ``skipped``) count host-driven steps only."""
         from kvbench.engine.static import StaticPolicy
 
-        if self._map is not None and trimmed_layers(self._map):
-            return None
         if self._lowest is None or layer_idx >= len(self._lowest):
             return StaticPolicy()
         row = self._lowest[layer_idx]
@@ -133,7 +126,8 @@ class POD(Method):
             return StaticPolicy()  # standard attention, and no layer above reads this one's logits
         offsets = None if self._offsets is None else tuple(float(x) for x in self._offsets[layer_idx].tolist())
         return StaticPolicy(attention=static_attention, shared="pod_distant",
-                            params=(self.n_s, self.n_r, own, offsets, self.tau))
+                            params=(self.n_s, self.n_r, own, offsets, self.tau),
+                            key_window=None if any(own) else (self.n_s, self.n_r))
 
     def _calibration(self) -> torch.Tensor:
         cal = (self._map or {}).get("gate_offsets")
@@ -261,28 +255,38 @@ class POD(Method):
 
 
 def static_attention(slots, policy) -> torch.Tensor:
-    """``POD.attend`` over a captured step's slots (batch 1; slot ``j`` holds entry ``j``: POD never frees one), output
-    ``(B, Hq, 1, D)``. The KV heads of which this layer is the block's lowest attend every entry with their own logits
-    and write their distant logits (eq. 3's D set of this step's query, -inf elsewhere) into ``slots.shared``; the
-    others combine their own logits on the proximal set with the shared distant logits (plus a calibrated offset)
-    through eq. 4's gate (``gate_combine``), applied to their own values."""
+    """``POD.attend`` over a captured step's slots (batch 1; value slot ``j`` holds entry ``j``: POD never frees one),
+    output ``(B, Hq, 1, D)``. The KV heads of which this layer is the block's lowest attend every entry with their own
+    logits and write their distant logits (eq. 3's D set of this step's query, -inf elsewhere) into ``slots.shared``;
+    the others combine their own logits on the proximal set with the shared distant logits (plus a calibrated offset)
+    through eq. 4's gate (``gate_combine``), applied to their own values. A layer that is non-lowest for every head
+    holds its keys in a ring of ``n_s + n_r`` slots (``StaticPolicy.key_window``): exactly the proximal set's keys
+    once this step's key is in; each ring slot's entry is found from the newest entry's index."""
     n_s, n_r, own, offsets, tau = policy.params
     keys, values, valid, query = slots.keys, slots.values, slots.valid, slots.query
     b, hq, q, d = query.shape
-    hkv, c = keys.shape[1], keys.shape[2]
+    hkv, c = values.shape[1], values.shape[2]
     qg = query.view(b, hkv, hq // hkv, q, d)
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * slots.scaling
     slot = torch.arange(c, device=keys.device)
     newest = valid.sum(-1, keepdim=True) - 1  # (B, Hkv, 1): this step's entry
-    distant = valid & (slot >= n_s) & (slot <= newest - n_r)
-    attended, distant = valid.view(b, hkv, 1, 1, c), distant.view(b, hkv, 1, 1, c)
-    lowest = torch.tensor(own, device=keys.device).view(1, hkv, 1, 1, 1)
-    probs = torch.softmax(logits.masked_fill(~attended, float("-inf")), dim=-1)
-    out_own = probs.to(values.dtype) @ values.unsqueeze(2)
+    distant = (valid & (slot >= n_s) & (slot <= newest - n_r)).view(b, hkv, 1, 1, c)
+    attended = valid.view(b, hkv, 1, 1, c)
     shared = slots.shared
     from_below = shared
     if offsets is not None:
         from_below = shared + torch.tensor(offsets, device=keys.device).view(1, hkv, 1, 1, 1)
+    if policy.key_window is not None:  # keys of the proximal set only, in the ring; every head shares
+        ring = torch.arange(n_s + n_r, device=keys.device)
+        entry = torch.where(ring < n_s, ring, newest - torch.remainder(newest - ring, n_r))  # (B, Hkv, R)
+        held = torch.where(ring < n_s, ring <= newest, entry >= n_s)
+        values_p = torch.gather(values, 2, entry.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
+        logits_p = logits.masked_fill(~held.view(b, hkv, 1, 1, -1), float("-inf"))
+        combined, _ = gate_combine(logits_p, values_p.unsqueeze(2), from_below, values.unsqueeze(2), tau)
+        return combined.to(values.dtype).reshape(b, hq, q, d)
+    lowest = torch.tensor(own, device=keys.device).view(1, hkv, 1, 1, 1)
+    probs = torch.softmax(logits.masked_fill(~attended, float("-inf")), dim=-1)
+    out_own = probs.to(values.dtype) @ values.unsqueeze(2)
     logits_p = logits.masked_fill(~(attended & ~distant), float("-inf"))
     combined, _ = gate_combine(logits_p, values.unsqueeze(2), from_below, values.unsqueeze(2), tau)
     shared.copy_(torch.where(lowest, logits.masked_fill(~distant, float("-inf")), shared))
