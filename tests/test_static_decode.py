@@ -485,6 +485,50 @@ def test_static_pod_keeps_only_the_windows_keys_where_the_map_trims(toy_llama, t
     assert static.resident_kv_bytes_final == full - len(trimmed) * 2 * (200 + 39 - n_s - (n_r - 1)) * entry
 
 
+@pytest.mark.parametrize("fields", [{"variant": "official_code", "bug_compat": True},
+                                    {"variant": "official_code", "carry_tau": True, "granularity": "query_head"}],
+                         ids=["bug_compat", "carry_tau"])
+def test_static_d2o_carries_its_thresholds_into_the_next_sample(toy_llama, monkeypatch, capturable, fields):
+    """``bug_compat=true`` (official code: each layer's EMA threshold outlives the sample, ``carry_tau``): three samples
+    in one session. The captured path reads the chosen ids after every step (no step past the end: the threshold is
+    the last step's), and hands the layers back at the end (``Method.after_generation``); each sample's tokens, held
+    entries and the thresholds carried into the next equal the host-driven path's. A sample ending at EOS (the second:
+    its eos is a token the default path generates) too."""
+    prompts = [_prompt(200, 3), _prompt(150, 4), _prompt(180, 5)]
+    b = Budget.parse(64)
+
+    def run(compile, eos_second):
+        method = build_method(_fields(toy_llama, "d2o", fields), b)
+        outs, taus = [], []
+        with CompressionSession(toy_llama, method, b, compile=compile) as session:
+            for i, prompt in enumerate(prompts):
+                outs.append(greedy_generate(toy_llama, [prompt], 40, eos_second if i == 1 else [], 0))
+                taus.append({k: v.clone() for k, v in method._carried_tau.items()})
+                if i == 1:
+                    entries = _entries(session)
+        return outs, taus, entries, session
+
+    unstopped = run(False, [])[0][1].tokens[0]
+    eos = unstopped[-1]  # the second sample stops at the first time it generates its 40th token
+    eager, eager_taus, eager_entries, _ = run(False, [eos])
+    assert len(eager[1].tokens[0]) == unstopped.index(eos) < 39
+    reads = []
+    real = graph.captured_generate
+    monkeypatch.setattr(graph, "captured_generate", lambda *a, **k: reads.append(k.get("read_every")) or real(*a, **k))
+    static, static_taus, static_entries, session = run("eager", [eos])
+    assert reads == [1, 1, 1] and session.method.keeps_state_after_generation()
+    assert [o.tokens for o in static] == [o.tokens for o in eager]
+    for a, c in zip(eager_taus, static_taus, strict=True):
+        assert a.keys() == c.keys()
+        for key in a:
+            torch.testing.assert_close(c[key], a[key], rtol=0, atol=1e-9, equal_nan=True)
+    # keep_edge_layers (bug_compat) leaves the toy's 3 layers uncompressed: no threshold; without it every layer merges
+    assert len(eager_taus[-1]) == (0 if fields.get("bug_compat") else 3)
+    for a, c in zip(eager_entries, static_entries, strict=True):
+        assert torch.equal(a[0], c[0])
+        torch.testing.assert_close(c[2], a[2], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(("selector", "reading"), [("last", None), ("softmax_before_last", None),
                                                   ("uniform", "official_code"), ("exp", "official_code"),
                                                   ("exp", "paper")])
@@ -514,7 +558,6 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, rea
 
 NO_STATIC = [("sirllm", {}), ("infllm", {}),
              ("pyramidinfer", {}),
-             ("d2o", {"variant": "official_code", "bug_compat": True}),  # tau carried across samples
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
 
 

@@ -131,6 +131,7 @@ def greedy_generate(
 
             by_columns = _by_columns(take, done, step + 1, max_new_tokens)
             steps += captured_generate(session, model, next_token, last_pos, max_new_tokens - 1 - step, by_columns,
+                                       read_every=getattr(session, "read_every", lambda: None)(),
                                        sampling=sampling, streams=streams)
             if by_columns.ended is not None:  # the steps run past it (read every few steps) are not the generation's
                 session.generation_ended(by_columns.ended)

@@ -680,6 +680,14 @@ class CompressionSession:
             self._view_rows(real)
             # steps no read_block added (a caller that does not report its reads; zero after the captured loop's)
             self.stats.attended_entries_sum = self.stats.attended_entries_sum + attended.sum()
+            if self.method.keeps_state_after_generation() and not self.budget.is_full:  # (D2O's carried thresholds)
+                order = sorted(self._method_index, key=self._method_index.get)
+                self.method.after_generation([self._layers[i] for i in order])
+
+    def read_every(self) -> int | None:
+        """Steps between the captured loop's reads of the chosen ids: every step for a method that carries its layers'
+        state into the next sample (no step runs past the generation's end), else the loop's default."""
+        return 1 if self.method.keeps_state_after_generation() and not self.budget.is_full else None
 
     def read_block(self, columns: int) -> None:
         """After the host read a block of ``columns`` captured steps: their attended entries join the stats (device

@@ -247,6 +247,17 @@ class Method:
         """Whether the method names the forwards its ``after_decode_forward`` acts at (``after_decode_forward_due``)."""
         return cls.after_decode_forward_due is not Method.after_decode_forward_due
 
+    def keeps_state_after_generation(self) -> bool:
+        """Whether the method carries what its layers hold at the end of a generation into the next sample (D2O's
+        ``carry_tau``). The captured decode then reads the chosen ids after every step, so it runs no step past the
+        generation's end, and hands the method its layers at the end (``after_generation``). Default: False."""
+        return False
+
+    def after_generation(self, layers: list[KVLayer]) -> None:
+        """At the end of a captured generation (``keeps_state_after_generation``), with every layer the method
+        compresses as the captured step left it, in the method's layer order: take what the next sample starts from
+        (the host-driven path's hooks saw every step). Default: nothing."""
+
     def observe_logits(self, layers: list[KVLayer], input_ids: torch.Tensor, logits: TokenLogits) -> None:
         """After every forward (prompt or decode step) when ``needs_logits`` is set; default: nothing.
 

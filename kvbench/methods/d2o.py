@@ -261,8 +261,6 @@ class D2O(Method):
         (capacity ``NEVER``) never holds more than its capacity, so it never evicts."""
         from kvbench.engine.static import StaticPolicy
 
-        if self.carry_tau:
-            return None
         official = self.variant == "official_code"
         weights = "official" if official else self.merge_weights
         return StaticPolicy(evict=static_evict, accumulate=True, acc_agg=self.group_agg,
@@ -271,8 +269,17 @@ class D2O(Method):
     def static_after_first_step(self) -> bool:
         return self.variant == "official_code"
 
-    def static_refusal(self) -> str:
-        return "carry_tau keeps each layer's threshold across samples, which the static layers do not hand back"
+    def keeps_state_after_generation(self) -> bool:
+        return self.carry_tau
+
+    def after_generation(self, layers: list[KVLayer]) -> None:
+        """``carry_tau`` after a captured generation: each layer's last row's thresholds as the captured step left them
+        (what ``_merge`` records at every merge on the host-driven path)."""
+        for idx, layer in enumerate(layers):
+            for feat, _ in PASSES[self.similarity_feature]:
+                tau = layer.row_state.get(f"d2o_tau_{feat}")
+                if tau is not None and not bool(torch.isnan(tau[-1]).all()):  # NaN: no merge yet (nothing recorded)
+                    self._carried_tau[(idx, feat)] = tau[-1].detach().clone()
 
     # ---- eviction + merging ---------------------------------------------------------------------------------------
     def _compress(self, layer: KVLayer, layer_idx: int) -> None:
