@@ -27,13 +27,16 @@ gone); every selection's check whether its new mask has an empty slot (``keep_to
 per layer (SnapKV: 34 reads on 32 layers) and is now read for all layers at once after the last one
 (``KVLayer.defer_valid_check``, ``check_deferred_valid``: 3); a ragged layer (AdaKV's and KVzip's layout) is built
 with two reads, not seven (``KVLayer.to_ragged``: its order check, widths and uniformity in one, the kept entries'
-index in the other).
+index in the other; now one: the total kept joins the first read and a stable sort builds the index, where
+``nonzero`` read its size); AdaKV and ChunkKV read the scorer's must-keep count from its scores per layer (SnapKV's
+and PyramidKV's window: ``Method.must_keep_count`` now says it on the host for an unpadded prompt), so AdaKV's 4/3/4
+reads are 2/1/2 (the ragged layout's one) and ChunkKV's 2/1/2 are 1/0/1; KVzip's ragged layers read 3 times less.
 
 | method | kernels 1k | kernels 4k | host reads 1k | host reads 4k |
 |---|---|---|---|---|
-| adakv | 90/88/101 +74 | 90/88/101 +74 | 4/3/4 +0 | 4/3/4 +0 |
+| adakv | 90/88/101 +74 | 90/88/101 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | cam | 225/223/237 +74 | 225/223/237 +74 | 1/0/2 +0 | 1/0/2 +0 |
-| chunkkv | 71/69/79 +74 | 71/69/79 +74 | 2/1/2 +0 | 2/1/2 +0 |
+| chunkkv | 71/69/79 +74 | 71/69/79 +74 | 1/0/1 +0 | 1/0/1 +0 |
 | d2o | 55/53/374 +74 | 55/53/374 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | dynamickv | 47/45/81 +74 | 47/45/81 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | expected_attention | 85/83/97 +74 | 85/83/97 +74 | 1/0/2 +0 | 1/0/2 +0 |
@@ -43,7 +46,7 @@ index in the other).
 | keydiff (GROWS) | 136/134/144 +74 | 448/446/456 +74 | 2/1/2 +0 | 2/1/2 +0 |
 | knorm | 38/36/50 +74 | 38/36/50 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | kvmerger | 411/409/423 +74 | 411/409/423 +74 | 1/0/2 +0 | 1/0/2 +0 |
-| kvzip (GROWS) | 65/58/68 +277 | 104/92/102 +358 | 1/0/1 +9 | 1/0/1 +9 |
+| kvzip (GROWS) | 65/58/68 +277 | 104/92/102 +358 | 1/0/1 +6 | 1/0/1 +6 |
 | lminfinite | 126/124/138 +74 | 126/124/138 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | local | 44/42/56 +74 | 44/42/56 +74 | 1/0/2 +0 | 1/0/2 +0 |
 | omnikv | 25/23/33 +74 | 25/23/33 +74 | 1/0/1 +0 | 1/0/1 +0 |
@@ -63,7 +66,7 @@ index in the other).
 GPU prefill at 4k on an H200 (reference/gpu.md, ratio to FullKV) against these counts: KVMerger (11.1x) and CaM
 (3.7x) launched a constant but large number of kernels per layer (1,585 and 268; KVMerger's theta bisection now
 evaluates 8 of its 24 steps per batched pass, ``kvmerger_ops.SEARCH_LEVELS``: 409; CaM's merge builds its 16 blocks'
-systems at once: 225), AdaKV (1.44x) read the device 15 times per layer (5 + one per KV head; now 4: its per-head
+systems at once: 225), AdaKV (1.44x) read the device 15 times per layer (5 + one per KV head; now 2: its per-head
 budgets applied on the device, its ragged layout built from one index), DynamicKV (1.47x) read it 12 times in its
 last layer and truncated 144 layers by a selection each on 32 layers (now 2 reads, and a prefix copy per
 truncation), D2O (1.91x) 220 times in its allocation (now 2); KeyDiff (1.97x), KVzip (18.7x) and RoCo (54 s) grow
@@ -416,6 +419,40 @@ def test_no_scorer_reads_the_device(name):
     method = METHODS.build(name, fields)
     method.validate(Budget.parse(16))
     assert _reads(lambda: method.prefill_scores(layer, ctx)) == 0
+
+
+@pytest.mark.parametrize("name", sorted(scorer_names()))
+@pytest.mark.parametrize("n", [7, 8, 9, 64])
+def test_a_declared_must_keep_count_is_the_scores(name, n):
+    """Where a scorer says on the host how many entries its scores mark +inf (``Method.must_keep_count``: AdaKV and
+    ChunkKV then skip reading it), that is the count in every head, for prompts shorter than, as long as and longer
+    than SnapKV's window of 8, in both granularities; AdaKV's and ChunkKV's selections are the same either way."""
+    from kvbench.methods.adakv import adakv_keep_official
+    from kvbench.methods.chunkkv import chunk_keep_counted
+
+    for granularity in ("kv_head", "query_head"):
+        q, k, v = _qkv(n=n)
+        layer = make_layer(k, v)
+        ctx = prefill_ctx(q, layer, 4)
+        ctx.rope_inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        fields = {"window": 8} if name in ("snapkv", "pyramidkv") else {"mode": "whole_prompt"} if name == "keydiff" \
+            else {}
+        method = METHODS.build(name, fields)
+        if "granularity" in {f for f in vars(method)}:
+            method.granularity = granularity
+        declared = method.must_keep_count(n)
+        if declared is None:
+            return  # this scorer says nothing: the wrappers read the count
+        scores = method.prefill_scores(layer, ctx)
+        per_head = (scores == float("inf")).sum(-1)
+        assert per_head.tolist() == [[declared] * scores.shape[1]], (granularity, per_head)
+        for cap in (declared + 2, n):
+            assert torch.equal(adakv_keep_official(scores[0], cap, 0.2, declared),
+                               adakv_keep_official(scores[0], cap, 0.2))
+            assert [t.tolist() if isinstance(t, torch.Tensor) else t for t in chunk_keep_counted(
+                scores[0], cap, 2, declared)] == [t.tolist() if isinstance(t, torch.Tensor) else t
+                                                   for t in chunk_keep_counted(scores[0], cap, 2)]
+    assert name in ("snapkv", "pyramidkv")  # the scorers that declare it
 
 
 # ---- KVMerger: the device's sets are the host scan's ---------------------------------------------------------------

@@ -209,19 +209,21 @@ class KVLayer(DynamicLayer):
         b, h, n = kept.shape
         lengths = kept.sum(-1)  # (the order below moves entries within a (row, head): their counts stay)
         # flat entries go in position order: sorted unless a kept entry follows a later kept one (empty slots of a
-        # padded view, at -1, do not count); that, the longest head and whether every head is as long, in one read
+        # padded view, at -1, do not count); that, the longest head, whether every head is as long and how many are
+        # kept in all, in one read (the only one: the count sizes the flat index below, which nonzero would read)
         latest = torch.where(kept, positions, -1).cummax(-1).values
         unsorted = (kept[..., 1:] & (positions[..., 1:] < latest[..., :-1])).any() if n > 1 else kept.new_zeros(())
         width = lengths.max() if lengths.numel() else lengths.new_zeros(())
-        unsorted, width, uniform = (int(x) for x in torch.stack([unsorted.long(), width.long(),
-                                                                   (lengths == width).all().long()]).tolist())
+        unsorted, width, uniform, total = (int(x) for x in torch.stack([
+            unsorted.long(), width.long(), (lengths == width).all().long(), lengths.sum().long()]).tolist())
         if unsorted:
             order = torch.argsort(positions, dim=-1, stable=True)
             self.gather(order)
             kept, positions = torch.gather(kept, -1, order), self.positions
         rank = kept.cumsum(-1) - 1  # each kept entry's slot within its (row, head)
         row_head = torch.arange(b * h, device=kept.device).view(b, h, 1).expand(b, h, n)
-        flat = kept.reshape(-1).nonzero().squeeze(1)  # the kept entries in (row, head, slot) order: one read
+        # the kept entries in (row, head, slot) order: a stable sort puts them first, in order (nonzero would read)
+        flat = torch.argsort((~kept.reshape(-1)).to(torch.int8), stable=True)[:total]
 
         def pick(t: torch.Tensor) -> torch.Tensor:  # t[kept], by the one index
             return t.reshape(b * h * n, *t.shape[3:]).index_select(0, flat)

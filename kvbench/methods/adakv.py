@@ -48,7 +48,7 @@ def adakv_keep(scores: torch.Tensor, capacity: int, alpha: float) -> torch.Tenso
     return kept.view(h, n) & (scores > float("-inf"))
 
 
-def adakv_keep_official(scores: torch.Tensor, capacity: int, alpha: float) -> torch.Tensor:
+def adakv_keep_official(scores: torch.Tensor, capacity: int, alpha: float, forced: int | None = None) -> torch.Tensor:
     """One row's kept entries ``(H, n)`` bool from scores ``(H, n)``, allocated as the authors'
     ``AdaptiveSnapKVCluster.update_kv`` (FFY0/AdaKV efe4e2e, ``adaptive_snapkv/monkeypatch/snapkv_utils.py``).
 
@@ -58,12 +58,16 @@ def adakv_keep_official(scores: torch.Tensor, capacity: int, alpha: float) -> to
     (``topk`` over each head's scores sorted descending, flattened), its budget ``round(c_h * (1 - alpha) +
     int(B * alpha))`` (``torch.round`` of float32: half to even; the budgets need not sum to ``H * B``), and it keeps
     the first ``budget`` of its sorted scores. The same torch ops on the same shapes as the code, so equal scores
-    break alike.
+    break alike. ``forced``: the number of ``+inf`` entries per head where the scorer knows it (else read).
     """
     h, n = scores.shape
+    count = forced
     forced = scores == float("inf")
-    per_head = forced.sum(-1)
-    w, same = (int(x) for x in torch.stack([per_head[0], (per_head == per_head[0]).all()]).tolist())  # one read
+    if count is not None:  # the scorer knows it (``Method.must_keep_count``): no read
+        w, same = count, True
+    else:
+        per_head = forced.sum(-1)
+        w, same = (int(x) for x in torch.stack([per_head[0], (per_head == per_head[0]).all()]).tolist())  # one read
     if not same:
         raise NotAvailableError("method 'adakv': allocation=official_code needs the same number of must-keep entries "
                                 "in every head (SnapKV's window)")
@@ -146,8 +150,11 @@ class AdaKV(ScorerWrapper):
         kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         for row, cap in enumerate(host_ints(layer, ctx.capacity)):  # each row on its own tokens, as it would be alone
             where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
-            keep = adakv_keep_official if self.allocation == "official_code" else adakv_keep
-            kept[row][:, where] = keep(scores[row][:, where], cap, self.alpha_safeguard)
+            if self.allocation == "official_code":
+                kept[row][:, where] = adakv_keep_official(scores[row][:, where], cap, self.alpha_safeguard,
+                                                          self.scorer_must_keep(ctx))
+            else:
+                kept[row][:, where] = adakv_keep(scores[row][:, where], cap, self.alpha_safeguard)
         if layer.valid is not None:
             kept = kept & layer.valid
         if self.layout == "kvpress_mask":

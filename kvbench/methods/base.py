@@ -194,6 +194,13 @@ class Method:
         raise NotAvailableError(f"method {self.name!r} exposes no per-entry prefill scores; scorers: "
                                 f"{', '.join(scorer_names())}")
 
+    def must_keep_count(self, n: int) -> int | None:
+        """How many entries of an unpadded ``n``-token prompt ``prefill_scores`` marks ``+inf`` (must stay), the same
+        number in every head, where the method knows it without reading its scores (SnapKV's window), else None: a
+        wrapper selecting over the scores (AdaKV, ChunkKV) then reads the count from them, a wait for the GPU per
+        layer. Default: None."""
+        return None
+
     @classmethod
     def has_prefill_scores(cls) -> bool:
         """Whether the method implements ``prefill_scores`` (checked by the wrappers when they are configured)."""

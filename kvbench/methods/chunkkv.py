@@ -32,12 +32,17 @@ def chunk_keep(scores: torch.Tensor, capacity: int, chunk: int) -> torch.Tensor:
     return chunk_keep_counted(scores, capacity, chunk)[0]
 
 
-def chunk_keep_counted(scores: torch.Tensor, capacity: int, chunk: int) -> tuple[torch.Tensor, int]:
-    """``chunk_keep`` and the number of entries it keeps (host arithmetic on the one read it makes)."""
+def chunk_keep_counted(scores: torch.Tensor, capacity: int, chunk: int,
+                       forced: int | None = None) -> tuple[torch.Tensor, int]:
+    """``chunk_keep`` and the number of entries it keeps (host arithmetic on the one read it makes, or on ``forced``:
+    the number of ``+inf`` entries, the same in every head, of scores without padding, where the scorer knows it)."""
     stay = (torch.isinf(scores) & (scores > 0)).any(0)
     valid = (scores > float("-inf")).all(0)
     free = valid & ~stay
-    n_stay, n_cand = torch.stack([stay.sum(), free.sum()]).tolist()  # one read for both counts
+    if forced is not None:  # no padding, and the scorer's count (``Method.must_keep_count``): no read
+        n_stay, n_cand = forced, scores.shape[-1] - forced
+    else:
+        n_stay, n_cand = torch.stack([stay.sum(), free.sum()]).tolist()  # one read for both counts
     kept = stay.clone()
     k = max(0, capacity - n_stay) // chunk
     complete = n_cand // chunk  # a remainder shorter than a chunk is never a candidate
@@ -115,7 +120,8 @@ class ChunkKV(ScorerWrapper):
                 if self.variant == "kvpress":
                     kept[row][where] = chunk_keep_kvpress(scores[row][:, where], cap, self.chunk_length)
                 else:
-                    kept[row][where], count = chunk_keep_counted(scores[row][:, where], cap, self.chunk_length)
+                    kept[row][where], count = chunk_keep_counted(scores[row][:, where], cap, self.chunk_length,
+                                                                 self.scorer_must_keep(ctx))
                     counts.append(count)
             counts = counts or None
             self._reused = kept, counts

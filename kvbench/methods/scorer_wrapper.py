@@ -68,6 +68,11 @@ class ScorerWrapper(Method):
     def compress_decoded(self, layer: KVLayer, ctx: PrefillContext) -> None:
         self.prefill(layer, ctx)
 
+    def scorer_must_keep(self, ctx: PrefillContext) -> int | None:
+        """The scorer's must-keep count for this layer's prompt (``Method.must_keep_count``), on the host: only
+        without padding (a padded row's window may reach into its padding), else None (read from the scores)."""
+        return self._scorer.must_keep_count(ctx.n) if ctx.key_valid is None else None
+
     def validate(self, budget: Budget) -> None:
         super().validate(budget)
         self._scorer.validate(budget)

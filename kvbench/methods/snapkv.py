@@ -82,6 +82,10 @@ class SnapKV(ScorerMethod):
     def observation_window(self) -> int:
         return self.window
 
+    def must_keep_count(self, n: int) -> int:
+        """The window: the last ``min(window, n)`` entries are ``+inf`` in every head (votes are finite)."""
+        return min(self.window, n)
+
     def score(self, layer: KVLayer, ctx: PrefillContext) -> torch.Tensor:
         """``snap_scores``: the window (+inf), the pooled window attention before it (the layer's heads after
         ``granularity``; ``ScorerMethod.prefill_scores`` gives a prompt no longer than the window all +inf)."""
