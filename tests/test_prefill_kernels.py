@@ -261,6 +261,37 @@ def _prefill_counts(model, name, n, budget=128) -> tuple[dict, dict]:
     return counts.as_row()
 
 
+@pytest.mark.parametrize("method", ["adakv", "chunkkv"])
+def test_a_left_padded_batch_reads_no_more_per_layer_than_one_row(toy_llama, method):
+    """A left-padded batch (the generation loop's) is checked once per prompt to be left padding; each row's tokens
+    are then a slice of host ints (``PrefillContext.row_tokens``) and the scorer's must-keep count that of the row's
+    length, so AdaKV and ChunkKV select every row without a read (indexing by a row's mask read its count, and the
+    scores' +inf count was read, per row and layer), and the prompt's padding mask is stored in each layer unread:
+    four rows read per layer what two do."""
+    b = Budget.parse(128)
+
+    def reads(rows: int) -> dict:
+        method = build_method({"name": method_name, **method_fields(method_name, toy_llama)}, b)
+        ids = torch.randint(3, 250, (rows, 600), generator=torch.Generator().manual_seed(rows))
+        mask = torch.ones(rows, 600, dtype=torch.long)
+        for row in range(1, rows):
+            mask[row, : 37 * row] = 0  # left padding: rows of 600, 563, 526, 489 tokens
+        forward = dict(attention_mask=mask if rows > 1 else None, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                       use_cache=True)
+        with CompressionSession(toy_llama, method, b, few_kernels=True):
+            toy_llama(ids, **forward)  # the session's first prompt checks each layer's reading of the mask, once
+            with LayerCounts(toy_llama) as counts:
+                toy_llama(ids, **forward)
+        return counts.as_row()[1]
+
+    method_name = method
+    one, two, four = reads(1), reads(2), reads(4)
+    assert four == two, (two, four)  # the reads do not grow with the rows (they grew by one or two per row and layer)
+    # a padded prompt's middle layers read what an unpadded one's do; its first layer reads whether keys are padding,
+    # its last (ChunkKV) whether its masks kept an empty slot, and transformers reads the padded mask outside them
+    assert four[1] == one[1] and four[0] <= one[0] + 1 and four[2] <= one[2] + 1, (one, four)
+
+
 @pytest.mark.parametrize("method", sorted(set(METHODS.names()) - NOT_ON_TOY))
 def test_prefill_counts_per_layer_do_not_grow_with_the_prompt(toy_llama, method):
     """Every method that runs on the toy model: the same kernels and the same host reads in every attention layer

@@ -167,9 +167,10 @@ class CompressionSession:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.stats = SessionStats()
         self._layers: dict[int, KVLayer | None] = {}
-        #: key validity, prompt lengths, capacities (device tensors) and the lengths and capacities as Python ints;
-        #: set at layer 0's prefill
-        self._prompt: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]] | None = None
+        #: key validity, prompt lengths, capacities (device tensors), the lengths and capacities as Python ints and
+        #: whether the padding is on the left; set at layer 0's prefill
+        self._prompt: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, tuple[list[int], list[int]], bool] | None
+        self._prompt = None
         self._hooks: list = []
         self._token = None
         self._input_ids: torch.Tensor | None = None  # needs_logits: the current forward's tokens
@@ -913,10 +914,16 @@ class CompressionSession:
             self._prefill_forward = True
             key_valid = _key_valid(attention_mask, n)
             prompt_lens = key_valid.sum(-1) if key_valid is not None else torch.full((b,), n, device=query.device)
-            lens = [int(x) for x in prompt_lens.tolist()]
+            left = key_valid is None
+            if key_valid is None:
+                lens = [int(x) for x in prompt_lens.tolist()]
+            else:  # with whether each row's tokens are its last ones (left padding), in the same read
+                tail = torch.arange(n, device=query.device).view(1, n) >= (n - prompt_lens).view(b, 1)
+                *lens, left = (int(x) for x in torch.cat([prompt_lens, (key_valid == tail).all().view(1)]).tolist())
+                left = bool(left)
             caps = [self.budget.tokens_for(x) for x in lens]
             capacity = torch.tensor(caps, device=query.device)
-            self._prompt = (key_valid, prompt_lens, capacity, (lens, caps))
+            self._prompt = (key_valid, prompt_lens, capacity, (lens, caps), left)
             self.stats = SessionStats(prompt_lens=lens)
             self._decode_step = 0
             if self._decode_compressor is not None:
@@ -926,9 +933,10 @@ class CompressionSession:
             self._first_step_attended = []
             self._check_budget_minimum()
             self._checked_decode = False
-        key_valid, prompt_lens, capacity, host = self._prompt
+        key_valid, prompt_lens, capacity, host, left_padded = self._prompt
         if key_valid is not None:
-            layer.set_valid(key_valid.view(b, 1, n).expand(b, layer.keys.shape[1], n).clone())
+            # (key_valid is None where no key is padding: this mask has an empty slot, stored without a read)
+            layer.valid = key_valid.view(b, 1, n).expand(b, layer.keys.shape[1], n).clone()
         if idx not in self._verified:
             self._verify_layer_reading(idx, spec, attention_mask, n, key_valid)
         acts = not self.budget.is_full and idx in self._method_index
@@ -939,6 +947,7 @@ class CompressionSession:
             num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
             prompt_lens=prompt_lens, capacity=capacity, rope_inv_freq=self.rope_inv_freq, plain_causal=plain,
             few_kernels=query.device.type == "cuda" if self.few_kernels is None else self.few_kernels, host=host,
+            left_padded=left_padded and key_valid is not None,
         )
         windowed = spec.sliding and n >= spec.window  # the layer's reach is shorter than the prompt
         out = self.method.prefill_attend(layer, ctx) if acts and not windowed else None  # Λ-masks (LM-Infinite, CaM)

@@ -149,10 +149,10 @@ class AdaKV(ScorerWrapper):
         scores = self.scorer_scores(layer, ctx)
         kept = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         for row, cap in enumerate(host_ints(layer, ctx.capacity)):  # each row on its own tokens, as it would be alone
-            where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
+            where = ctx.row_tokens(row)  # (left padding: a slice, no read)
             if self.allocation == "official_code":
                 kept[row][:, where] = adakv_keep_official(scores[row][:, where], cap, self.alpha_safeguard,
-                                                          self.scorer_must_keep(ctx))
+                                                          self.scorer_must_keep(ctx, row))
             else:
                 kept[row][:, where] = adakv_keep(scores[row][:, where], cap, self.alpha_safeguard)
         if layer.valid is not None:

@@ -116,12 +116,12 @@ class ChunkKV(ScorerWrapper):
             kept = torch.zeros(scores.shape[0], scores.shape[2], dtype=torch.bool, device=scores.device)
             counts = []  # entries each row keeps (the paper's reading knows them from its one read)
             for row, cap in enumerate(caps):  # each row on its own tokens, as it would be alone
-                where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
+                where = ctx.row_tokens(row)  # (left padding: a slice, no read)
                 if self.variant == "kvpress":
                     kept[row][where] = chunk_keep_kvpress(scores[row][:, where], cap, self.chunk_length)
                 else:
                     kept[row][where], count = chunk_keep_counted(scores[row][:, where], cap, self.chunk_length,
-                                                                 self.scorer_must_keep(ctx))
+                                                                 self.scorer_must_keep(ctx, row))
                     counts.append(count)
             counts = counts or None
             self._reused = kept, counts

@@ -41,10 +41,24 @@ class PrefillContext:
     few_kernels: bool = False
     #: ``(prompt_lens, capacity)`` as Python ints when the session knows them (it does: no device read per layer)
     host: tuple[list[int], list[int]] | None = None
+    #: ``key_valid`` is left padding: each row's tokens are its last ``prompt_lens[row]`` (the session's prompt
+    #: forward, checked once per prompt); False where it may be any mask (a decode-time compression's context)
+    left_padded: bool = False
 
     @property
     def n(self) -> int:
         return self.queries.shape[-2]
+
+    def row_tokens(self, row: int) -> slice | torch.Tensor:
+        """Row ``row``'s tokens along the entry axis: every entry (no padding), a slice of its last tokens (left
+        padding: host ints, so indexing with it reads nothing back), else its ``key_valid`` mask (indexing with a
+        mask reads its count from the device)."""
+        if self.key_valid is None:
+            return slice(None)
+        if self.left_padded:
+            n = self.key_valid.shape[-1]
+            return slice(n - self.host_ints()[0][row], n)
+        return self.key_valid[row]
 
     def fits(self) -> bool:
         """Whether every row's prompt fits its budget (nothing to compress), decided on the host."""

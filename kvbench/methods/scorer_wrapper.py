@@ -68,10 +68,13 @@ class ScorerWrapper(Method):
     def compress_decoded(self, layer: KVLayer, ctx: PrefillContext) -> None:
         self.prefill(layer, ctx)
 
-    def scorer_must_keep(self, ctx: PrefillContext) -> int | None:
-        """The scorer's must-keep count for this layer's prompt (``Method.must_keep_count``), on the host: only
-        without padding (a padded row's window may reach into its padding), else None (read from the scores)."""
-        return self._scorer.must_keep_count(ctx.n) if ctx.key_valid is None else None
+    def scorer_must_keep(self, ctx: PrefillContext, row: int) -> int | None:
+        """The scorer's must-keep count among row ``row``'s tokens (``Method.must_keep_count`` of its length), on the
+        host: without padding or with left padding (the row's tokens its last ones: a window reaching into the padding
+        keeps only its real tokens), else None (read from the scores)."""
+        if ctx.key_valid is None:
+            return self._scorer.must_keep_count(ctx.n)
+        return self._scorer.must_keep_count(ctx.host_ints()[0][row]) if ctx.left_padded else None
 
     def validate(self, budget: Budget) -> None:
         super().validate(budget)
