@@ -914,13 +914,12 @@ class CompressionSession:
             self._prefill_forward = True
             key_valid = _key_valid(attention_mask, n)
             prompt_lens = key_valid.sum(-1) if key_valid is not None else torch.full((b,), n, device=query.device)
-            left = key_valid is None
+            left = False  # each row's tokens are its last ones (left padding): read with the lengths
             if key_valid is None:
                 lens = [int(x) for x in prompt_lens.tolist()]
-            else:  # with whether each row's tokens are its last ones (left padding), in the same read
+            else:
                 tail = torch.arange(n, device=query.device).view(1, n) >= (n - prompt_lens).view(b, 1)
                 *lens, left = (int(x) for x in torch.cat([prompt_lens, (key_valid == tail).all().view(1)]).tolist())
-                left = bool(left)
             caps = [self.budget.tokens_for(x) for x in lens]
             capacity = torch.tensor(caps, device=query.device)
             self._prompt = (key_valid, prompt_lens, capacity, (lens, caps), left)
@@ -947,7 +946,7 @@ class CompressionSession:
             num_kv_heads=layer.keys.shape[1], scaling=scaling, queries=query, key_valid=key_valid,
             prompt_lens=prompt_lens, capacity=capacity, rope_inv_freq=self.rope_inv_freq, plain_causal=plain,
             few_kernels=query.device.type == "cuda" if self.few_kernels is None else self.few_kernels, host=host,
-            left_padded=left_padded and key_valid is not None,
+            left_padded=bool(left_padded),
         )
         windowed = spec.sliding and n >= spec.window  # the layer's reach is shorter than the prompt
         out = self.method.prefill_attend(layer, ctx) if acts and not windowed else None  # Λ-masks (LM-Infinite, CaM)

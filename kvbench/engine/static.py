@@ -398,16 +398,13 @@ class StaticKVLayer(KVLayer):
         first ``sinks`` and last ``recent - 1`` entries between steps (the next step's key completes the window), as
         the host-driven layer trims them. Without a count (a layer built outside a session): every slot."""
         per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
-        window = getattr(self, "key_window", None)
+        if getattr(self, "kept_bytes_only", False):
+            return int(self.valid.sum()) * per_entry
         entries = getattr(self, "entries", None)
-        if window is not None and entries is not None:  # keys for the window's entries, values for all
+        if entries is not None:  # (keys: the window's entries' where the layer has a key window)
             return self.keys.shape[0] * self.keys.shape[1] * (
                 self.keys_held(entries) * self.keys.shape[-1] * self.keys.element_size() +
                 entries * self.values.shape[-1] * self.values.element_size())
-        if getattr(self, "kept_bytes_only", False):
-            return int(self.valid.sum()) * per_entry
-        if entries is not None:
-            return self.keys.shape[0] * self.keys.shape[1] * entries * per_entry
         return super().resident_bytes()
 
     def keys_held(self, entries: int) -> int:

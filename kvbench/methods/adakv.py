@@ -48,7 +48,8 @@ def adakv_keep(scores: torch.Tensor, capacity: int, alpha: float) -> torch.Tenso
     return kept.view(h, n) & (scores > float("-inf"))
 
 
-def adakv_keep_official(scores: torch.Tensor, capacity: int, alpha: float, forced: int | None = None) -> torch.Tensor:
+def adakv_keep_official(scores: torch.Tensor, capacity: int, alpha: float, must_keep: int | None = None
+                        ) -> torch.Tensor:
     """One row's kept entries ``(H, n)`` bool from scores ``(H, n)``, allocated as the authors'
     ``AdaptiveSnapKVCluster.update_kv`` (FFY0/AdaKV efe4e2e, ``adaptive_snapkv/monkeypatch/snapkv_utils.py``).
 
@@ -58,13 +59,12 @@ def adakv_keep_official(scores: torch.Tensor, capacity: int, alpha: float, force
     (``topk`` over each head's scores sorted descending, flattened), its budget ``round(c_h * (1 - alpha) +
     int(B * alpha))`` (``torch.round`` of float32: half to even; the budgets need not sum to ``H * B``), and it keeps
     the first ``budget`` of its sorted scores. The same torch ops on the same shapes as the code, so equal scores
-    break alike. ``forced``: the number of ``+inf`` entries per head where the scorer knows it (else read).
+    break alike. ``must_keep``: the number of ``+inf`` entries per head where the scorer knows it (else read).
     """
     h, n = scores.shape
-    count = forced
     forced = scores == float("inf")
-    if count is not None:  # the scorer knows it (``Method.must_keep_count``): no read
-        w, same = count, True
+    if must_keep is not None:  # the scorer knows it (``Method.must_keep_count``): no read
+        w, same = must_keep, True
     else:
         per_head = forced.sum(-1)
         w, same = (int(x) for x in torch.stack([per_head[0], (per_head == per_head[0]).all()]).tolist())  # one read

@@ -163,15 +163,15 @@ def merge_values(values: torch.Tensor, merge: torch.Tensor, first: int, span: in
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+def _mul32(x: torch.Tensor | int, m: int) -> torch.Tensor | int:
     """``x * m mod 2**32`` for ``x`` in ``[0, 2**32)`` (int64) without an int64 overflow: two 16-bit halves."""
     low = (x & 0xFFFF) * m
     high = ((x >> 16) * m) & 0xFFFF
     return (low + (high << 16)) & _M32
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """Wellons' ``lowbias32`` integer hash of ``x`` in ``[0, 2**32)`` (int64 tensors, every op exact)."""
+def _hash32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """Wellons' ``lowbias32`` integer hash of ``x`` in ``[0, 2**32)`` (int64 tensors, every op exact; or an int)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -180,16 +180,9 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def layer_key(seed: int, layer_idx: int) -> int:
-    """The host part of a layer's draws (:func:`decode_uniforms`): a 32-bit key of (seed, layer), plain Python."""
-    def mix(x: int) -> int:  # lowbias32 on Python ints (the same function as _hash32)
-        x &= _M32
-        x ^= x >> 16
-        x = (x * 0x7FEB352D) & _M32
-        x ^= x >> 15
-        x = (x * 0x846CA68B) & _M32
-        return x ^ (x >> 16)
-
-    return mix((seed & _M32) ^ mix((seed >> 32) ^ mix(layer_idx)))
+    """The host part of a layer's draws (:func:`decode_uniforms`): a 32-bit key of (seed, layer), on Python ints
+    (:func:`_hash32`'s operators are theirs too)."""
+    return _hash32((seed & _M32) ^ _hash32(((seed >> 32) ^ _hash32(layer_idx & _M32)) & _M32))
 
 
 def decode_uniforms(key: int, positions: torch.Tensor) -> torch.Tensor:

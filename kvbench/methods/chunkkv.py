@@ -33,14 +33,14 @@ def chunk_keep(scores: torch.Tensor, capacity: int, chunk: int) -> torch.Tensor:
 
 
 def chunk_keep_counted(scores: torch.Tensor, capacity: int, chunk: int,
-                       forced: int | None = None) -> tuple[torch.Tensor, int]:
-    """``chunk_keep`` and the number of entries it keeps (host arithmetic on the one read it makes, or on ``forced``:
+                       must_keep: int | None = None) -> tuple[torch.Tensor, int]:
+    """``chunk_keep`` and the number of entries it keeps (host arithmetic on the one read it makes, or on ``must_keep``:
     the number of ``+inf`` entries, the same in every head, of scores without padding, where the scorer knows it)."""
     stay = (torch.isinf(scores) & (scores > 0)).any(0)
     valid = (scores > float("-inf")).all(0)
     free = valid & ~stay
-    if forced is not None:  # no padding, and the scorer's count (``Method.must_keep_count``): no read
-        n_stay, n_cand = forced, scores.shape[-1] - forced
+    if must_keep is not None:  # no padding, and the scorer's count (``Method.must_keep_count``): no read
+        n_stay, n_cand = must_keep, scores.shape[-1] - must_keep
     else:
         n_stay, n_cand = torch.stack([stay.sum(), free.sum()]).tolist()  # one read for both counts
     kept = stay.clone()

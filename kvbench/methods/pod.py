@@ -268,10 +268,7 @@ def static_attention(slots, policy) -> torch.Tensor:
     hkv, c = values.shape[1], values.shape[2]
     qg = query.view(b, hkv, hq // hkv, q, d)
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys).float() * slots.scaling
-    slot = torch.arange(c, device=keys.device)
     newest = valid.sum(-1, keepdim=True) - 1  # (B, Hkv, 1): this step's entry
-    distant = (valid & (slot >= n_s) & (slot <= newest - n_r)).view(b, hkv, 1, 1, c)
-    attended = valid.view(b, hkv, 1, 1, c)
     shared = slots.shared
     from_below = shared
     if offsets is not None:
@@ -284,6 +281,9 @@ def static_attention(slots, policy) -> torch.Tensor:
         logits_p = logits.masked_fill(~held.view(b, hkv, 1, 1, -1), float("-inf"))
         combined, _ = gate_combine(logits_p, values_p.unsqueeze(2), from_below, values.unsqueeze(2), tau)
         return combined.to(values.dtype).reshape(b, hq, q, d)
+    slot = torch.arange(c, device=keys.device)
+    distant = (valid & (slot >= n_s) & (slot <= newest - n_r)).view(b, hkv, 1, 1, c)
+    attended = valid.view(b, hkv, 1, 1, c)
     lowest = torch.tensor(own, device=keys.device).view(1, hkv, 1, 1, 1)
     probs = torch.softmax(logits.masked_fill(~attended, float("-inf")), dim=-1)
     out_own = probs.to(values.dtype) @ values.unsqueeze(2)

@@ -72,9 +72,9 @@ class ScorerWrapper(Method):
         """The scorer's must-keep count among row ``row``'s tokens (``Method.must_keep_count`` of its length), on the
         host: without padding or with left padding (the row's tokens its last ones: a window reaching into the padding
         keeps only its real tokens), else None (read from the scores)."""
-        if ctx.key_valid is None:
-            return self._scorer.must_keep_count(ctx.n)
-        return self._scorer.must_keep_count(ctx.host_ints()[0][row]) if ctx.left_padded else None
+        if ctx.key_valid is not None and not ctx.left_padded:
+            return None
+        return self._scorer.must_keep_count(ctx.host_ints()[0][row])
 
     def validate(self, budget: Budget) -> None:
         super().validate(budget)

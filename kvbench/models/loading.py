@@ -591,6 +591,11 @@ def _gguf_special_tokens(tokenizer: Any, gguf: Path) -> None:
         wanted = int(field.parts[field.data[0]][0])
         if getattr(tokenizer, f"{attr}_id") != wanted:
             setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(wanted))
+    _no_bpe_clean_up(tokenizer)
+
+
+def _no_bpe_clean_up(tokenizer: Any) -> None:
+    """A BPE tokenizer's ``clean_up_tokenization_spaces`` False, as transformers 5.24 builds it (5.17 sets True)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and type(backend.model).__name__ == "BPE":
         tokenizer.clean_up_tokenization_spaces = False
@@ -608,16 +613,13 @@ def converted_tokenizer(directory: Path, embedded: EmbeddedModel) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(str(directory))
     stale = [f"{attr} {getattr(tokenizer, attr)!r}" for attr, token in embedded.special_tokens
              if getattr(tokenizer, attr) != token]
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    bpe = backend is not None and type(backend.model).__name__ == "BPE"
     if stale:
         log.warning("kvbench: the converted %s copy %s carries %s (built by an older transformers); using the GGUF "
                     "file's %s (delete the copy to convert it again)", embedded.title, directory, ", ".join(stale),
                     ", ".join(f"{attr} {token!r}" for attr, token in embedded.special_tokens))
         for attr, token in embedded.special_tokens:
             setattr(tokenizer, attr, token)
-    if bpe:
-        tokenizer.clean_up_tokenization_spaces = False
+    _no_bpe_clean_up(tokenizer)
     return tokenizer
 
 
