@@ -52,7 +52,7 @@ def test_graph_and_compile_are_one_setting():
     (("engine.compile=true", "engine.decode=eager"), "engine.compile=true is engine.decode=graph; it contradicts"),
     (("engine.decode=graph", "method=sirllm"), "engine.decode=graph: method 'sirllm' has no captured decode step .*; "
                                                "use engine.decode=eager"),
-    (("engine.compile=true", "method=pyramidinfer"), "engine.compile=true: method 'pyramidinfer' has no captured "
+    (("engine.compile=true", "method=infllm"), "engine.compile=true: method 'infllm' has no captured "
                                                      "decode step .*; use engine.compile=false"),
     (("engine.decode=graph", "task=pg19"), "task 'pg19' runs its own forwards"),
     (("engine.decode=graph", "position_mode=compact", "method=streamingllm"), "position_mode=compact re-rotates"),

@@ -21,7 +21,7 @@ from kvbench.methods import build_method
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
           "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o",
-          "lminfinite", "kvzip", "roco", "triattention", "cam"]
+          "lminfinite", "kvzip", "roco", "triattention", "cam", "pyramidinfer"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
 #: ThinK's keys keep half their channels: its default inner SnapKV (no probabilities: the fused kernel over the kept
@@ -375,6 +375,55 @@ def test_static_cam_merges_into_the_values_of_the_default_path(toy_llama, budget
                                                            _entries(unmerged_session, "cam_acc")))
 
 
+PYRAMIDINFER_FIELDS = [{}, {"allocation": "paper"}, {"prefill_mask": False, "gen_chunk": 8},
+                       {"distance_weight": 3.0, "gen_compress_ratio": 0.5, "decay_strategy": "constant"}]
+
+
+@pytest.mark.parametrize("fields", PYRAMIDINFER_FIELDS,
+                         ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()) or "default")
+def test_static_pyramidinfer_keeps_the_chunks_the_default_path_keeps(toy_llama, fields):
+    """PyramidInfer compresses each chunk of gen_chunk generated entries that left the last-W window, by the last W
+    queries' attention rows: after 60 steps (several chunks per layer) every layer holds the same entries (positions)
+    as the default path's, the same W rows for each of them (the captured step's vector per entry against the
+    method's own rows) and the same frozen count; the host's count of what each layer holds (the schedule, no read)
+    is what its slots hold."""
+    new = 60
+    eager, eager_session = _generate(toy_llama, "pyramidinfer", 64, False, [_prompt()], new=new, fields=fields)
+    method = eager_session.method
+    rows, frozen = dict(method._rows), dict(method._frozen)
+    static, static_session = _generate(toy_llama, "pyramidinfer", 64, "eager", [_prompt()], new=new, fields=fields)
+    assert static.tokens == eager.tokens
+    for idx in sorted(static_session._layers):
+        layer, host = static_session._layers[idx], eager_session._layers[idx]
+        assert isinstance(layer, StaticKVLayer)
+        valid = layer.valid[0, 0]
+        order = torch.argsort(layer.positions[0, 0].masked_fill(~valid, 1 << 40))[: int(valid.sum())]
+        assert torch.equal(layer.positions[0, 0, order], host.positions[0, 0])
+        assert bool((layer.valid[0, 0] == layer.valid[0, 1]).all())
+        assert layer.entries == host.num_entries  # the schedule's count, no read
+        mine = layer.state["pyramidinfer_rows"][0, 0, order].t()  # (W, entries)
+        torch.testing.assert_close(mine, rows[idx], rtol=0, atol=1e-6)
+        assert int(layer.row_state["pyramidinfer_frozen"]) == frozen[idx]
+    assert all(frozen[i] > 0 for i in frozen)
+    # the chunks were compressed: each layer's frozen count grew past what it held after prefill (64 on average)
+    assert sum(frozen.values()) > 3 * 64
+
+
+def test_pyramidinfer_schedule_in_closed_form_is_its_step_loop():
+    """``generated_entries`` (the host's count of a static layer, no read) equals ``PyramidInfer.decode``'s loop: one
+    entry per step, and a chunk compressed whenever gen_chunk entries beyond the frozen ones left the window."""
+    from kvbench.methods.pyramidinfer import generated_entries
+
+    for window, chunk, keep, frozen, held in [(13, 16, 14, 51, 64), (13, 16, 1, 51, 64), (5, 8, 3, 20, 25),
+                                              (1, 16, 7, 0, 1), (26, 16, 2, 100, 126)]:
+        entries, f = held, frozen
+        for step in range(1, 200):
+            entries += 1
+            if entries - window - f >= chunk:
+                entries, f = entries - (chunk - keep), f + keep
+            assert generated_entries(window, chunk, keep, frozen, held, step) == entries, (window, step)
+
+
 def _pod_map(tmp_path, blocks, granularity="kv_head") -> str:
     import json
 
@@ -557,7 +606,6 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, rea
 
 
 NO_STATIC = [("sirllm", {}), ("infllm", {}),
-             ("pyramidinfer", {}),
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
 
 
@@ -579,7 +627,7 @@ def test_every_method_without_a_static_step_says_why_in_its_own_words():
             without.append(name)
             assert type(m).static_refusal is not Method.static_refusal, f"{name}: no static_refusal of its own"
             assert m.static_refusal() != Method.static_refusal(m) and "\n" not in m.static_refusal()
-    assert {"pyramidinfer", "sirllm", "infllm", "cla", "offload"} <= set(without)
+    assert {"sirllm", "infllm", "cla", "offload"} <= set(without)
 
 
 @pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else

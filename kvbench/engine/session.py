@@ -18,6 +18,7 @@ the forward, i.e. before the next one, with a :class:`TokenLogits` that applies 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -106,10 +107,14 @@ def _extra_slots(policy: StaticPolicy, caps: list[int], held: int, compression, 
     capacity above what the layer holds: D2O's rows that the official code never compresses); a layer that never
     evicts, one per token; a layer compressed during decode (``compression``) appends up to its target (or what it
     holds) plus one interval, or up to the forward a method's schedule acts at (``seen``: the tokens seen, default
-    ``held``)."""
+    ``held``); a layer whose step frees entries on a schedule of its own (``StaticPolicy.entries``), the most that
+    schedule holds during a step of the generation."""
     seen = held if seen is None else seen
     if compression is not None:
         return compression.extra_slots(held, seen, budget, reserve)
+    if policy.entries is not None:  # a schedule of its own (PyramidInfer's chunks): the most it holds in a step
+        # (after the step's token is written, before its step frees any)
+        return max(1, max(policy.entries(held, step) for step in range(reserve)) + 1 - held)
     if policy.evict is not None:
         return max(1, min(reserve, max(caps) + 1 - held))
     return max(1, reserve)
@@ -151,7 +156,7 @@ class CompressionSession:
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
         self._row_bases: dict[tuple, torch.Tensor] = {}  # capacities and selections at the batch bucket's rows
         #: static layer -> (decode step it turned static at, entries it held then, the most it holds or None)
-        self._occupancy: dict[int, tuple[int, int, int | None]] = {}
+        self._occupancy: dict[int, tuple[int, int, int | Callable[[int, int], int] | None]] = {}
         self._chosen: dict[int, torch.Tensor] = {}  # a selection shared between layers, by its writer (OmniKV's filter)
         self._shared: dict[str, torch.Tensor] = {}  # logits shared between layers, by name (StaticPolicy.shared: POD's)
         self._static_pending = False  # engine.compile: the layers become static after this decode step
@@ -422,8 +427,10 @@ class CompressionSession:
                 extra = shared - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             state = ("acc",) * policy.accumulate + policy.state
+            initial = self.method.static_state(layer, self._method_index[idx]) \
+                if idx in self._method_index and not self.budget.is_full else ({}, {})
             static = StaticKVLayer.from_layer(layer, extra, state, rows, pool.taker((idx,), device),
-                                              key_window=policy.key_window)
+                                              key_window=policy.key_window, initial=initial)
             if compresses:
                 self._captured_layer(compression, idx, layer, static, rows, pool)
             if policy.choose is not None:  # a selection later layers attend through (OmniKV's filter layer)
@@ -443,8 +450,10 @@ class CompressionSession:
                         f"layers of {held_shared.shape[-1]} and {slots_count} slots; use engine.decode=eager")
             self._cache.layers[idx] = self._layers[idx] = static
             # the entries it holds from here on (``_record_resident``): one more per step, at most the capacity where
-            # its step evicts (a row above its capacity, D2O's never-compressed ones: what it holds)
-            self._occupancy[idx] = (self._decode_step, held, None if policy.evict is None else max(max(caps), held))
+            # its step evicts (a row above its capacity, D2O's never-compressed ones: what it holds), or the count its
+            # step's own schedule gives (StaticPolicy.entries)
+            limit = policy.entries or (None if policy.evict is None else max(max(caps), held))
+            self._occupancy[idx] = (self._decode_step, held, limit)
             static.entries = held
             capacity = pool.take(("capacity", idx), (rows, 1, 1), torch.long, device)
             capacity[:b].copy_(torch.tensor(caps, device=device).view(-1, 1, 1))
@@ -740,8 +749,11 @@ class CompressionSession:
 
     def _static_entries(self, idx: int, step: int) -> int:
         """The entries static layer ``idx`` holds after decode step ``step`` (``_occupancy``: what it held when it
-        turned static, one more per step since, at most its capacity where its step evicts)."""
+        turned static, one more per step since, at most its capacity where its step evicts, or what its step's schedule
+        holds)."""
         start, held, limit = self._occupancy[idx]
+        if callable(limit):  # StaticPolicy.entries
+            return limit(held, max(step - start, 0))
         count = held + max(step - start, 0)
         return count if limit is None else min(count, limit)
 

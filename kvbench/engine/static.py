@@ -81,7 +81,8 @@ class StaticPolicy:
     * ``accumulate``: add the step's probabilities to ``slots.acc`` (over each GQA group: ``acc_agg`` mean or max);
     * ``state``: names of per-entry statistics the method's functions read and write themselves (``slots.state``:
       float32 ``(B, Hkv, C)`` each, the layer's ``state`` entries of those names at prefill, zero for a new entry;
-      RoCo's attention sums, squares and counts);
+      RoCo's attention sums, squares and counts), or ``(B, Hkv, C, k)`` where the method's ``static_state`` starts
+      them so (a vector per entry, zero for a new entry: PyramidInfer's attention from each of the last W queries);
     * ``params``: the method's constants its functions read (its sinks, recent window, page sizes, merge settings);
     * ``slot_multiple``: the layer's slot count a multiple of this (Quest's pages);
     * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads;
@@ -90,6 +91,10 @@ class StaticPolicy:
       ``sinks + recent`` key slots (entry ``j``'s key in slot ``j`` below ``sinks``, else ``sinks + (j - sinks) %
       recent``; the step's key overwrites the one that left the window); for a layer whose entries fill its slots in
       order and are never freed;
+    * ``entries``: ``entries(held, steps)``, host arithmetic: how many entries a layer that held ``held`` when it
+      turned static holds ``steps`` steps later, for a step that frees entries on a schedule of its own (PyramidInfer's
+      chunks of generated tokens), which sizes its slots and counts its resident bytes without a read; None: one more
+      per step, at most the capacity where ``evict`` is set;
     * ``shared``: the name of a buffer of attention logits ``(B, Hkv, g, 1, C)`` float32 that every layer naming it
       sees (``slots.shared``; one per name and generation, zero at the start; the layers naming it hold the same slot
       count): the method's functions write and read it in layer order (POD's distant logits of each KV head's block,
@@ -112,6 +117,7 @@ class StaticPolicy:
     selection: tuple[int, int] | None = None
     shared: str | None = None
     key_window: tuple[int, int] | None = None
+    entries: Callable[[int, int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.acc_agg not in ("mean", "max"):
@@ -211,14 +217,17 @@ class StaticKVLayer(KVLayer):
     @classmethod
     def from_layer(cls, layer: KVLayer, extra: int, state: tuple[str, ...] = (), rows: int | None = None,
                    take: Callable[[str, tuple, torch.dtype], torch.Tensor] | None = None,
-                   key_window: tuple[int, int] | None = None) -> StaticKVLayer:
+                   key_window: tuple[int, int] | None = None,
+                   initial: tuple[dict, dict] = ({}, {})) -> StaticKVLayer:
         """The entries of ``layer`` in a layer with ``extra`` free slots per (row, head) after them. Every tensor is
         the first rows of a buffer of ``rows`` rows (the captured step's batch bucket; ``pad_rows`` fills the rest)
         that ``take(name, shape, dtype)`` hands out (``SlotPool.taker``: the same buffers for every generation of the
         same shapes, so a CUDA graph replays over the same addresses), or a new one. ``state``: the per-entry
         statistics the step keeps (``acc`` where it accumulates, a method's own ``StaticPolicy.state``), float32, from
         the layer's ``state`` (zero where it has none). ``key_window``: ``StaticPolicy.key_window``; the layer's keys
-        are then those of its first ``sinks`` entries and its last ones (at most ``recent``), laid into the ring."""
+        are then those of its first ``sinks`` entries and its last ones (at most ``recent``), laid into the ring.
+        ``initial``: per-entry ``(B, H, n)`` or ``(B, H, n, k)`` and per-row state the method keeps outside the layer
+        (``Method.static_state``), in place of the layer's own entries of those names."""
         ragged = layer.ragged is not None  # each head's kept entries flat (AdaKV's, KVzip's layout): its padded view
         keys, values, valid = layer.attention_view()
         positions = layer.position_view()[0]
@@ -252,9 +261,10 @@ class StaticKVLayer(KVLayer):
         new.valid = place("valid", valid)
         if state and ragged:
             raise NotImplementedError("a ragged layer's per-entry state has no static form")
-        new.state = {name: place(f"state.{name}", layer.state.get(name, torch.zeros(b, h, n, device=device)).float())
+        entry_state, row_state = {**layer.state, **initial[0]}, {**layer.row_state, **initial[1]}
+        new.state = {name: place(f"state.{name}", entry_state.get(name, torch.zeros(b, h, n, device=device)).float())
                      for name in state}
-        new.row_state = {k: place(f"row_state.{k}", v, slots=False) for k, v in layer.row_state.items()}
+        new.row_state = {k: place(f"row_state.{k}", v, slots=False) for k, v in row_state.items()}
         if layer.key_channels is not None:  # keys keep these channels (ThinK): every step's key is stored with them
             new.key_channels = place("key_channels", layer.key_channels, slots=False)
         new.seen, new.capacity = layer.seen, layer.capacity
@@ -338,7 +348,11 @@ class StaticKVLayer(KVLayer):
         self.positions.scatter_(-1, slot, at)
         self.valid.scatter_(-1, slot, torch.ones_like(slot, dtype=torch.bool))
         for stat in self.state.values():  # a new entry's statistics start at zero
-            stat.scatter_(-1, slot, torch.zeros_like(slot, dtype=stat.dtype))
+            if stat.dim() == 4:  # a vector per entry (StaticPolicy.state)
+                stat.scatter_(2, slot.unsqueeze(-1).expand(*slot.shape, stat.shape[-1]),
+                              torch.zeros(*slot.shape, stat.shape[-1], dtype=stat.dtype, device=stat.device))
+            else:
+                stat.scatter_(-1, slot, torch.zeros_like(slot, dtype=stat.dtype))
         return slot
 
     def show_entries(self, layer: KVLayer, rows: int, fill: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -73,6 +74,38 @@ def budget_contexts(n: int, budget: int, window: int, num_layers: int, ratio: fl
     return counts
 
 
+def generated_entries(window: int, chunk: int, keep: int, frozen: int, held: int, steps: int) -> int:
+    """The entries a layer holding ``held`` (``frozen`` of them never compressed again) holds ``steps`` decode steps
+    later: one more per step, and whenever ``gen_chunk`` entries past the frozen ones have left the last-W window
+    the chunk keeps ``keep`` (``PyramidInfer.decode``'s schedule in closed form: the generated entries beyond the
+    frozen ones and the window, ``g``, grow by one per step and fall by ``chunk`` at each compression)."""
+    compressions = max(0, (held - window - frozen + steps) // chunk)
+    return held + steps - compressions * (chunk - keep)
+
+
+def static_decode(slots, probs: torch.Tensor, policy) -> None:
+    """``PyramidInfer.decode`` over a static layer's slots (batch 1, the same entries in every head): the step's
+    head-mean attention row joins the last W rows (``slots.state["pyramidinfer_rows"]`` ``(B, Hkv, C, W)``, oldest
+    first; a new entry's earlier rows are zero) and, where ``gen_chunk`` entries after the frozen ones have left the
+    window, the chunk (the next ``gen_chunk`` entries by position after the first ``frozen``) keeps its ``keep``
+    entries of highest distance-weighted mean attention and frees the others; ``frozen`` grows by ``keep``."""
+    window, chunk, keep, distance_weight = policy.params
+    rows, valid = slots.state["pyramidinfer_rows"], slots.valid
+    frozen = slots.row_state["pyramidinfer_frozen"]  # (B, 1, 1)
+    b, h, c, _ = rows.shape
+    step = probs.mean(dim=(1, 2)).view(b, 1, c, 1).expand(b, h, c, 1)
+    rows.copy_(torch.cat([rows[..., 1:], step], dim=-1))
+    order = torch.argsort(slots.positions.masked_fill(~valid, torch.iinfo(slots.positions.dtype).max), dim=-1)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c, device=order.device).expand_as(order))
+    due = valid.sum(-1, keepdim=True) - window - frozen >= chunk  # (B, H, 1)
+    in_chunk = valid & (rank >= frozen) & (rank < frozen + chunk)
+    weights = torch.linspace(1.0, distance_weight, window, device=rows.device)
+    scores = (rows * weights).mean(-1).masked_fill(~in_chunk, float("-inf"))
+    kept = torch.zeros_like(valid).scatter_(-1, torch.topk(scores, keep, dim=-1).indices, True)
+    valid.logical_and_(~(in_chunk & ~kept & due))
+    frozen.add_(due[:, :1] * keep)
+
+
 @dataclass
 class PyramidInfer(Method):
     """Layer ``l`` keeps the *pivotal context* (PvC) chosen by layer ``l - 1`` plus the recent window of W tokens
@@ -93,7 +126,8 @@ class PyramidInfer(Method):
     Decode (the README's intent): prompt entries are never compressed again; every ``gen_chunk`` generated entries
     that left the last-W window keep ``max(1, int(gen_chunk * gen_compress_ratio * s_gen(l)))`` by the same score
     over the last W queries' rows (``s_gen``: cosine of ``gen_decay_ratio``). The code compares tokens seen with the
-    layer's own length and so re-compresses kept prompt entries at every step; not reproduced.
+    layer's own length and so re-compresses kept prompt entries at every step; not reproduced. The captured decode
+    step runs the same decode over the slots (``static_decode``).
     Defaults: ``configs/llama2_7b.json`` (= ``llama3_8b.json``). Batch size 1.
     """
 
@@ -132,11 +166,32 @@ class PyramidInfer(Method):
         self._frozen: dict[int, int] = {}  # layer -> leading entries never compressed again
         self._stash: torch.Tensor | None = None  # recent rows computed by prefill_attend for prefill
 
-    def static_refusal(self) -> str:
-        return (
-            "its decode state lives outside the cache (each layer's last W query rows) and every gen_chunk steps it "
-            "rescores the generated entries that left the window with them"
-        )
+    def _gen_keep(self, layer_idx: int, num_layers: int) -> int:
+        """Entries a chunk of ``gen_chunk`` generated entries keeps at layer ``layer_idx``."""
+        s = decay(layer_idx, num_layers, self.gen_decay_ratio, self.decay_strategy)
+        return max(int(self.gen_chunk * self.gen_compress_ratio * s), 1)
+
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """The captured step (``static_decode``): the layer's last-W attention rows travel as a vector per entry,
+        its frozen count as row state, the schedule of what it holds as host arithmetic (``generated_entries``)."""
+        from kvbench.engine.static import StaticPolicy
+
+        if self._plan is None:  # before any prompt (has_static_step): the step exists; its sizes come with the plan
+            return StaticPolicy(evict=static_decode, needs_probs=True, state=("pyramidinfer_rows",))
+        window, contexts = self._plan
+        keep = self._gen_keep(layer_idx, len(contexts))
+        frozen = self._frozen.get(layer_idx, 0)
+        return StaticPolicy(evict=static_decode, needs_probs=True, state=("pyramidinfer_rows",),
+                            params=(window, self.gen_chunk, keep, self.distance_weight),
+                            entries=partial(generated_entries, window, self.gen_chunk, keep, frozen))
+
+    def static_state(self, layer: KVLayer, layer_idx: int):
+        """The layer's last-W attention rows ``(1, Hkv, entries, W)`` (the same in every head) and frozen count."""
+        rows = self._rows[layer_idx]  # (W, entries), oldest query first
+        h = layer.values.shape[1]
+        per_entry = rows.t().reshape(1, 1, *rows.t().shape).expand(1, h, -1, -1)
+        frozen = torch.full((1, 1, 1), self._frozen[layer_idx], dtype=torch.long, device=rows.device)
+        return {"pyramidinfer_rows": per_entry}, {"pyramidinfer_frozen": frozen}
 
     def window(self, budget: int) -> int:
         return 1 + int(self.recent_ratio * budget)
@@ -261,8 +316,7 @@ class PyramidInfer(Method):
         rows = torch.cat([old, new.float()], dim=0)[-window:]
         frozen = self._frozen[idx]
         if entries - window - frozen >= self.gen_chunk:
-            s = decay(idx, ctx.num_layers, self.gen_decay_ratio, self.decay_strategy)
-            k = max(int(self.gen_chunk * self.gen_compress_ratio * s), 1)
+            k = self._gen_keep(idx, ctx.num_layers)
             scores = self._scores(rows[:, frozen : frozen + self.gen_chunk])
             top = frozen + torch.topk(scores, k).indices.sort().values
             device = top.device
