@@ -284,6 +284,9 @@ class _Session:
     def compression_due_in(self):
         return None  # no compression during decode
 
+    def token_logp(self, tokens):
+        return None  # no method reads the tokens' log-probabilities
+
 
 @pytest.mark.parametrize("steps", [16, 17, 37])
 def test_captured_loop_reads_every_step_once_in_order_across_the_ring(steps):

@@ -50,10 +50,10 @@ def test_graph_and_compile_are_one_setting():
 @pytest.mark.parametrize(("overrides", "message"), [
     (("engine.decode=fast",), "engine.decode='fast' is not valid; valid: auto, graph, eager"),
     (("engine.compile=true", "engine.decode=eager"), "engine.compile=true is engine.decode=graph; it contradicts"),
-    (("engine.decode=graph", "method=sirllm"), "engine.decode=graph: method 'sirllm' has no captured decode step .*; "
-                                               "use engine.decode=eager"),
+    (("engine.decode=graph", "method=sirllm", "method.entropy=official_code"),
+     "engine.decode=graph: method 'sirllm' has no captured decode step .*; use engine.decode=eager"),
     (("engine.compile=true", "method=infllm"), "engine.compile=true: method 'infllm' has no captured "
-                                                     "decode step .*; use engine.compile=false"),
+                                               "decode step .*; use engine.compile=false"),
     (("engine.decode=graph", "task=pg19"), "task 'pg19' runs its own forwards"),
     (("engine.decode=graph", "position_mode=compact", "method=streamingllm"), "position_mode=compact re-rotates"),
 ])
@@ -68,11 +68,12 @@ def test_auto_captures_on_cuda_where_the_job_can(on_cuda, caplog):
     assert plan_job(_cfg("model=tiny-random", "method=fullkv")).decode == "graph"
     assert plan_job(_cfg("model=tiny-random", "method=adakv")).decode == "graph"  # its ragged layers as padded slots
     with caplog.at_level(logging.INFO, logger="kvbench"):
-        sirllm = plan_job(_cfg("model=tiny-random", "method=sirllm"))
+        sirllm = plan_job(_cfg("model=tiny-random", "method=sirllm", "method.entropy=official_code"))
     assert sirllm.decode == "eager" and "engine_compile" not in sirllm.key
     lines = [r.getMessage() for r in caplog.records if "engine.decode=auto" in r.getMessage()]
     assert len(lines) == 1 and "method 'sirllm' has no captured decode step" in lines[0]
     assert plan_job(_cfg("model=tiny-random", "method=cam")).decode == "graph"  # its merge step is captured too
+    assert plan_job(_cfg("model=tiny-random", "method=sirllm")).decode == "graph"  # the paper's surprisal too
     assert plan_job(_cfg("model=tiny-random", "task=pg19")).decode == "eager"
     assert plan_job(_cfg("model=tiny-random", "task=longbench_v2", "task.cot=true")).decode == "eager"
     assert plan_job(_cfg("model=tiny-random", "task=longbench_v2", "task.cot=false")).decode == "graph"

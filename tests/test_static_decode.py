@@ -21,7 +21,7 @@ from kvbench.methods import build_method
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
           "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o",
-          "lminfinite", "kvzip", "roco", "triattention", "cam", "pyramidinfer"]
+          "lminfinite", "kvzip", "roco", "triattention", "cam", "pyramidinfer", "sirllm"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
 #: ThinK's keys keep half their channels: its default inner SnapKV (no probabilities: the fused kernel over the kept
@@ -424,6 +424,59 @@ def test_pyramidinfer_schedule_in_closed_form_is_its_step_loop():
             assert generated_entries(window, chunk, keep, frozen, held, step) == entries, (window, step)
 
 
+SIRLLM_FIELDS = [({}, 64), ({"decay_ratio": 0.9, "recent_ratio": 0.0}, 64), ({"start_size": 0}, 48),
+                 ({"decay_ratio": 0.7}, 300)]
+
+
+@pytest.mark.parametrize(("fields", "budget"), SIRLLM_FIELDS,
+                         ids=lambda f: (",".join(f"{k}={v}" for k, v in f.items()) or "default")
+                         if isinstance(f, dict) else str(f))
+def test_static_sirllm_keeps_the_entries_and_entropies_of_the_default_path(toy_llama, fields, budget):
+    """SirLLM evicts after each forward by its tokens' surprisal; the captured step evicts inside each layer with the
+    surprisal the step before handed it (``StaticPolicy.token_logp``, written after the output head): after 40 steps
+    of a left-padded batch of two every layer holds the same entries (positions) with the same decayed entropies as
+    the default path's. Budget 300: the prompts fit (each row's capacity is its prompt's length)."""
+    prompts = [_prompt(200, 3), _prompt(150, 4)]
+    eager, eager_session = _generate(toy_llama, "sirllm", budget, False, prompts, new=40, fields=fields)
+    static, static_session = _generate(toy_llama, "sirllm", budget, "eager", prompts, new=40, fields=fields)
+    assert static.tokens == eager.tokens
+    assert static_session._token_logp is not None
+    assert static_session.stats.resident_curve == eager_session.stats.resident_curve
+    for a, b in zip(_entries(eager_session, "sirllm_entropy"), _entries(static_session, "sirllm_entropy"),
+                    strict=True):
+        assert torch.equal(a[0], b[0]) and a[0].shape[-1] == min(budget, 200)
+        torch.testing.assert_close(b[3], a[3], rtol=1e-5, atol=1e-5)
+        assert bool((a[3] > 0).any())
+
+
+def test_the_captured_step_hands_the_next_step_its_tokens_log_probability(toy_llama):
+    """``StepBuffers.token_logp`` after a captured step is the log-softmax of that step's logits at the token it
+    chose: what the host-driven path's ``TokenLogits.previous`` gives the next step."""
+    from kvbench.engine.compat import cache_kwargs
+    from kvbench.engine.graph import StepBuffers, decode_step
+
+    b = Budget.parse(64)
+    method = build_method({"name": "sirllm"}, b)
+    seen = {}
+    with CompressionSession(toy_llama, method, b, compile="eager") as session:
+        greedy_generate(toy_llama, [_prompt(100)], 2, [], 0)  # prefill and the host-driven first step
+        tokens = torch.tensor([[5]])
+        buffers = StepBuffers(tokens.clone(), torch.tensor([[101]]), torch.zeros(1, 4, dtype=torch.long),
+                              torch.zeros((), dtype=torch.long), token_logp=torch.zeros(1, 1))
+
+        class Spy(torch.nn.Module):
+            def forward(self, **kw):
+                out = toy_llama(**kw)
+                seen["logits"] = out.logits
+                return out
+
+        with torch.inference_mode():
+            decode_step(Spy(), cache_kwargs(toy_llama, session.graph_cache()), buffers)
+    logp = torch.log_softmax(seen["logits"][:, -1].float(), -1)
+    assert float(buffers.token_logp) == pytest.approx(float(logp[0, buffers.tokens[0, 0]]))
+    assert float(buffers.token_logp) < 0
+
+
 def _pod_map(tmp_path, blocks, granularity="kv_head") -> str:
     import json
 
@@ -605,7 +658,7 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, rea
     assert chosen["eager"][1:] == chosen[False][1:]
 
 
-NO_STATIC = [("sirllm", {}), ("infllm", {}),
+NO_STATIC = [("sirllm", {"entropy": "official_code"}), ("infllm", {}),
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
 
 
@@ -627,7 +680,7 @@ def test_every_method_without_a_static_step_says_why_in_its_own_words():
             without.append(name)
             assert type(m).static_refusal is not Method.static_refusal, f"{name}: no static_refusal of its own"
             assert m.static_refusal() != Method.static_refusal(m) and "\n" not in m.static_refusal()
-    assert {"sirllm", "infllm", "cla", "offload"} <= set(without)
+    assert {"sirllm", "infllm", "cla", "offload"} <= set(without)  # sirllm: entropy=official_code
 
 
 @pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else

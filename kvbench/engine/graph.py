@@ -76,7 +76,9 @@ class StepBuffers:
     ``tokens`` ``(B, 1)`` the step's input ids, ``positions`` ``(B, 1)`` their positions, ``generated`` ``(B, T)`` the
     chosen ids of the last ``T`` steps (a ring of one read's columns), ``step`` ``()`` the next column of it; for a
     sampled generation ``uniforms`` ``(B, T)`` float64 the draws of the same ``T`` steps (written by the host before
-    each block) and ``sampling`` the settings (a constant of the graph)."""
+    each block) and ``sampling`` the settings (a constant of the graph); for a method that scores tokens by the model's
+    predictions (``StaticPolicy.token_logp``) ``token_logp`` ``(B, 1)``: the log-probability of ``tokens`` under the
+    step before's prediction (the session's buffer, which its layers read)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -84,6 +86,7 @@ class StepBuffers:
     step: torch.Tensor
     uniforms: torch.Tensor | None = None
     sampling: Sampling | None = None
+    token_logp: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, tokens: torch.Tensor, positions: torch.Tensor, rows: int, steps: int,
@@ -105,7 +108,7 @@ class StepBuffers:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.tokens, self.positions, self.generated, self.step] + \
-            ([] if self.uniforms is None else [self.uniforms])
+            ([] if self.uniforms is None else [self.uniforms]) + ([] if self.token_logp is None else [self.token_logp])
 
     def fill_uniforms(self, streams: RowStreams, steps: int) -> None:
         """The next ``steps`` uniforms of each real row into columns ``[0, steps)`` (every block starts the ring at
@@ -123,6 +126,9 @@ def decode_step(model, cache_kw: dict, buffers: StepBuffers) -> None:
     if buffers.sampling is not None:
         uniforms = buffers.uniforms.index_select(1, buffers.step.view(1)).squeeze(1)  # (B,)
     chosen = next_tokens(out.logits[:, -1, :], buffers.sampling, uniforms).unsqueeze(-1)  # (B, 1)
+    if buffers.token_logp is not None:  # the next step's input token's log-probability (SirLLM's surprisal)
+        logp = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
+        buffers.token_logp.copy_(torch.gather(logp, -1, chosen))
     buffers.tokens.copy_(chosen)
     buffers.positions.add_(1)
     buffers.generated.index_copy_(1, buffers.step.view(1), chosen)
@@ -192,6 +198,7 @@ def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.
     # ``generated`` holds one read's columns (a ring), so its shape, and the graph, do not depend on the generation's
     # length (a bench's short warm-up and its measured runs replay one graph)
     buffers = StepBuffers.allocate(next_token, last_pos + 1, bucket(rows), read_every, pool, sampling)
+    buffers.token_logp = session.token_logp(buffers.tokens)
     fn = session.captured_step_function()
     done = 0
     with session.captured(bucket(rows), buffers.tensors(), buffers.step, read_every):

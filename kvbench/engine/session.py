@@ -12,7 +12,10 @@ A method that scores tokens by the model's own predictions (``Method.needs_logit
 three hooks: a pre-hook on the model records the forward's ``input_ids``, a hook on the decoder stack
 (``get_decoder()``) records its final hidden states at every position (``generate`` and ``greedy_generate`` ask the
 head for the last position only, ``logits_to_keep=1``), and a hook on the model calls ``Method.observe_logits`` after
-the forward, i.e. before the next one, with a :class:`TokenLogits` that applies the output head in chunks.
+the forward, i.e. before the next one, with a :class:`TokenLogits` that applies the output head in chunks; a decode
+step's resident entries are counted after it. On static layers (``engine.decode=graph``) the method's step evicts
+inside each layer instead, with the step's token's log-probability under the previous prediction
+(``StaticPolicy.token_logp``: the pre-hook writes it for a host-driven step, the captured step for the next one).
 """
 
 from __future__ import annotations
@@ -159,6 +162,8 @@ class CompressionSession:
         self._occupancy: dict[int, tuple[int, int, int | Callable[[int, int], int] | None]] = {}
         self._chosen: dict[int, torch.Tensor] = {}  # a selection shared between layers, by its writer (OmniKV's filter)
         self._shared: dict[str, torch.Tensor] = {}  # logits shared between layers, by name (StaticPolicy.shared: POD's)
+        #: the step's input token's log-probability under the previous forward (StaticPolicy.token_logp: SirLLM's)
+        self._token_logp: torch.Tensor | None = None
         self._static_pending = False  # engine.compile: the layers become static after this decode step
         self._reserve = 0  # decode steps the generation loop announced (slots for appended tokens)
         #: the job's longest prompt (tokens, as encoded) and its most new tokens: the captured decode sizes the layers
@@ -349,6 +354,7 @@ class CompressionSession:
         self._occupancy.clear()
         self._chosen.clear()
         self._shared.clear()
+        self._token_logp = None
         self._row_bases.clear()
         self._static_pending = False
         pool = slot_pool(self.model)
@@ -448,6 +454,9 @@ class CompressionSession:
                     raise NotAvailableError(
                         f"engine.decode=graph: method {self.method.name!r} shares logits {policy.shared!r} between "
                         f"layers of {held_shared.shape[-1]} and {slots_count} slots; use engine.decode=eager")
+            if policy.token_logp and self._token_logp is None:  # one for the step's layers, written outside them
+                base = pool.take(("token_logp",), (rows, 1), torch.float32, device)
+                self._token_logp = self._row_base(("token_logp", 0), base.zero_(), b)
             self._cache.layers[idx] = self._layers[idx] = static
             # the entries it holds from here on (``_record_resident``): one more per step, at most the capacity where
             # its step evicts (a row above its capacity, D2O's never-compressed ones: what it holds), or the count its
@@ -601,6 +610,8 @@ class CompressionSession:
                 self._static[idx] = (self._static[idx][0], base[:rows])
             elif kind == "shared":
                 self._shared[idx] = base[:rows]
+            elif kind == "token_logp":
+                self._token_logp = base[:rows]
             else:
                 self._chosen[idx] = base[:rows]
 
@@ -613,7 +624,8 @@ class CompressionSession:
         shared = self._shared.get(policy.shared) if policy.shared is not None else None
         slots = StepSlots(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity,
                           layer.row_state, chosen, query, scaling, self.rope_inv_freq, layer.key_channels,
-                          spec.softcap, spec.sinks, layer.state, shared)
+                          spec.softcap, spec.sinks, layer.state, shared,
+                          self._token_logp if policy.token_logp else None)
         return static_step(slots, policy)
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
@@ -648,6 +660,18 @@ class CompressionSession:
 
     def graph_cache(self):
         return self._cache
+
+    def token_logp(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Before the captured steps: the buffer of the log-probability of ``tokens`` ``(rows, 1)`` (the first captured
+        step's input, a batch bucket's rows) under the last host-driven forward's prediction, which the layers of a
+        method reading it (``StaticPolicy.token_logp``) see and every captured step rewrites for the next; None when
+        no layer reads it."""
+        if self._token_logp is None:
+            return None
+        base, real = self._row_bases[("token_logp", 0)], self._previous.shape[0]
+        base[:real].copy_(torch.gather(self._previous, -1, tokens[:real]))
+        repeat_last_row(base, real, base.shape[0])
+        return base
 
     @contextlib.contextmanager
     def captured(self, rows: int, tensors: list[torch.Tensor], column: torch.Tensor, columns: int):
@@ -798,13 +822,25 @@ class CompressionSession:
 
     # ---- the model's predictions, for methods that need them (needs_logits) ----------------------------------------
     def _capture_input_ids(self, module, args, kwargs):
+        if self._graph_live:  # the captured step's tokens' log-probabilities are its own (engine.graph.decode_step)
+            return
         self._input_ids = kwargs.get("input_ids", args[0] if args else None)
         self._hidden = None
+        ids, logp = self._input_ids, self._token_logp
+        if logp is not None and self._previous is not None and ids is not None and ids.shape[1] == 1 and \
+                self._previous.shape[0] == ids.shape[0] == logp.shape[0]:
+            # a host-driven step on static layers (the first decode step): its token's log-probability, for the
+            # layers' own steps (StaticPolicy.token_logp), which evict there instead of in observe_logits
+            self._token_logp.copy_(torch.gather(self._previous, -1, self._input_ids[:, -1:]))
 
     def _capture_hidden(self, module, args, output):
+        if self._graph_live:
+            return
         self._hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
     def _observe_logits(self, module, args, kwargs, output):
+        if self._graph_live:
+            return
         prefill, self._prefill_forward = self._prefill_forward, False
         layers = [self._layers.get(i) for i in sorted(self._attention_layers)]
         if any(layer is None for layer in layers) or self._hidden is None:
@@ -813,11 +849,15 @@ class CompressionSession:
             raise NotAvailableError(f"method {self.method.name!r} scores the input tokens: call the model with "
                                     "input_ids (inputs_embeds were given)")
         logits = TokenLogits(self._hidden, self.model.get_output_embeddings(), None if prefill else self._previous)
-        if not self.budget.is_full:
+        if not self.budget.is_full and (prefill or not self._static):  # static layers: their own steps did it
             self.method.observe_logits([self._layers[i] for i in self.compressed], self._input_ids, logits)
+            if not prefill:  # a decode step's entries are those held after its eviction, as every method's are
+                self._record_resident(self._decode_step)
         self._previous = logits.last()
         if prefill:  # the method may have compressed the prompt only now: measure what stays
             self._record_prefill_stats(layers, check=True)
+            if self.compile and not self.budget.is_full:  # the captured step starts from that (_finish_prefill)
+                self._to_static()
 
     # ---- scoring forwards: KVzip's context reconstruction (Method.needs_reconstruction) --------------------------
     def _reconstruct(self, module, args, kwargs, output):
@@ -1027,8 +1067,11 @@ class CompressionSession:
         reconstructs = getattr(self.method, "needs_reconstruction", False) and not self.budget.is_full
         self._reconstruct_pending = reconstructs
         self._record_prefill_stats(layers, check=not self.method.needs_logits and not reconstructs)
-        self._static_pending = bool(self.compile) and not reconstructs  # reconstructs: static after it (_reconstruct)
-        if self.compile and (self.budget.is_full or not (self.method.static_after_first_step() or reconstructs)):
+        # reconstructs: static after it (_reconstruct); scores by the model's predictions: after the prompt's
+        # observe_logits (_observe_logits)
+        self._static_pending = bool(self.compile) and not reconstructs
+        later = reconstructs or self.method.needs_logits
+        if self.compile and (self.budget.is_full or not (self.method.static_after_first_step() or later)):
             self._to_static()
 
     def _record_resident(self, step: int) -> None:
@@ -1180,7 +1223,8 @@ class CompressionSession:
             self.method.after_decode_forward([self._layers[i] for i in self.compressed], ctx)  # across layers
         if idx == self._last_attention_layer:
             self._decode_step += 1
-            self._record_resident(self._decode_step)
+            if not self.method.needs_logits or self.budget.is_full:  # else after its eviction (_observe_logits)
+                self._record_resident(self._decode_step)
         if not self._checked_decode and idx == self._last_attention_layer:
             self._check_first_decode_step()
         if self._static_pending and idx == self._last_attention_layer:  # static_after_first_step: from the next step

@@ -44,8 +44,10 @@ class StepSlots(NamedTuple):
     fewer channels than its queries (ThinK), the channels they keep ``key_channels`` ``(B, Hkv, D_kept)`` (or None:
     ``keys`` are then ``(B, Hkv, C, D_kept)``, ``values`` keep ``D``), and the layer's logit soft-cap ``softcap`` (Gemma
     2) and per-query-head sink logits ``sinks`` ``(Hq,)`` (GPT-OSS), as the model's attention applies them (or None),
-    the layer's per-entry statistics ``state`` (``StaticPolicy.state``: name -> ``(B, Hkv, C)``), and the logits
-    buffer ``shared`` ``(B, Hkv, g, 1, C)`` float32 the layers naming it share (``StaticPolicy.shared``, or None)."""
+    the layer's per-entry statistics ``state`` (``StaticPolicy.state``: name -> ``(B, Hkv, C)``), the logits
+    buffer ``shared`` ``(B, Hkv, g, 1, C)`` float32 the layers naming it share (``StaticPolicy.shared``, or None), and
+    ``token_logp`` ``(B, 1)`` float32, the model's log-probability of the step's input token under the previous
+    forward's prediction (``StaticPolicy.token_logp``, or None)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -63,6 +65,7 @@ class StepSlots(NamedTuple):
     sinks: torch.Tensor | None = None
     state: dict | None = None
     shared: torch.Tensor | None = None
+    token_logp: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class StaticPolicy:
       turned static holds ``steps`` steps later, for a step that frees entries on a schedule of its own (PyramidInfer's
       chunks of generated tokens), which sizes its slots and counts its resident bytes without a read; None: one more
       per step, at most the capacity where ``evict`` is set;
+    * ``token_logp``: the step reads ``slots.token_logp``, the model's log-probability of the step's input token
+      under the previous forward's prediction (SirLLM's surprisal): the captured step writes it after its output head
+      for the next step, the host before the first one;
     * ``shared``: the name of a buffer of attention logits ``(B, Hkv, g, 1, C)`` float32 that every layer naming it
       sees (``slots.shared``; one per name and generation, zero at the start; the layers naming it hold the same slot
       count): the method's functions write and read it in layer order (POD's distant logits of each KV head's block,
@@ -118,6 +124,7 @@ class StaticPolicy:
     shared: str | None = None
     key_window: tuple[int, int] | None = None
     entries: Callable[[int, int], int] | None = None
+    token_logp: bool = False
 
     def __post_init__(self) -> None:
         if self.acc_agg not in ("mean", "max"):

@@ -22,6 +22,35 @@ if TYPE_CHECKING:  # the engine imports transformers; validating a config must n
 ENTROPIES = ("paper", "official_code")
 
 
+def static_decode(slots, probs, policy) -> None:
+    """``SirLLM.observe_logits`` of a decode step over a static layer's slots, run inside the step (after its
+    attention, which saw the step's entry as the host-driven path's does): the step's entry (the newest position)
+    gets its token's surprisal ``-log p`` under the previous prediction (``slots.token_logp``), each (row, head) above
+    its capacity frees the entry ``SirLLM.keep_scores`` ranks lowest (not a start token, not among the top-E
+    entropies, ties to the older token, the oldest of the rest), and every entropy decays."""
+    from kvbench.engine.static import evict_one
+
+    start_size, recent_ratio, decay_ratio = policy.params
+    valid, positions = slots.valid, slots.positions
+    entropy = slots.state["sirllm_entropy"]
+    b, h, c = valid.shape
+    newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
+    entropy.copy_(torch.where(valid & (positions == newest), -slots.token_logp.view(b, 1, 1), entropy))
+    by_position = torch.argsort(positions.masked_fill(~valid, torch.iinfo(positions.dtype).max), dim=-1)
+    ranks = torch.arange(c, device=valid.device).expand(b, h, c)
+    rank = torch.empty_like(by_position).scatter_(-1, by_position, ranks).masked_fill(~valid, -1)
+    rest = (slots.capacity - start_size).clamp(min=0)
+    top_e = rest - torch.round(rest * recent_ratio).long()
+    ent = entropy.masked_fill(~valid, float("-inf"))
+    ent_by_position = torch.gather(ent, -1, by_position)  # a stable sort of these: ties to the older token
+    order = torch.gather(by_position, -1, torch.sort(ent_by_position, dim=-1, descending=True, stable=True).indices)
+    top = torch.zeros_like(valid).scatter_(-1, order, ranks < top_e)
+    keep = valid & ((rank < start_size) | top)
+    key = torch.where(keep, float("inf"), rank.float()).masked_fill(~valid, float("inf"))
+    evict_one(valid, key, slots.capacity)
+    entropy.mul_(decay_ratio)
+
+
 @dataclass
 class SirLLM(Method):
     """Keep, per layer (the same tokens in every layer and head), the first ``start_size`` tokens, the
@@ -66,8 +95,19 @@ class SirLLM(Method):
         if not 0 < self.decay_ratio <= 1:
             raise ConfigError(f"method 'sirllm': decay_ratio={self.decay_ratio} must be in (0, 1]")
 
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """The captured step (``static_decode``) for ``entropy=paper``: a decode token's surprisal comes from the
+        previous step's prediction, which the captured step hands its next step (``StaticPolicy.token_logp``)."""
+        if self.entropy != "paper":
+            return None
+        from kvbench.engine.static import StaticPolicy
+
+        return StaticPolicy(evict=static_decode, state=("sirllm_entropy",), token_logp=True,
+                            params=(self.start_size, self.recent_ratio, self.decay_ratio))
+
     def static_refusal(self) -> str:
-        return "it scores each entry by its token's surprisal, read from the logits after every forward"
+        return ("entropy=official_code scores a decode token by the step's own prediction, which exists only after "
+                "the model's last layer, where the captured step has already evicted")
 
     def min_budget_tokens(self) -> int:
         return self.start_size + 1
