@@ -196,7 +196,7 @@ def test_the_host_driven_path_is_not_captured(toy_llama, monkeypatch):
     assert counters["stats"]["unique_graphs"] == 0
 
 
-@pytest.mark.parametrize("method", ["fullkv", "h2o", "d2o", "omnikv", "quest", "think+h2o"])
+@pytest.mark.parametrize("method", ["fullkv", "h2o", "d2o", "omnikv", "quest", "think+h2o", "pyramidinfer", "sirllm"])
 def test_the_captured_step_writes_static_addresses_only(toy_llama, method):
     """Every tensor the captured step mutates (slots, positions, validity, the method's per-entry and per-row state,
     the step's token / position / output buffers) is allocated before the first captured step, marked a static
@@ -217,7 +217,9 @@ def test_the_captured_step_writes_static_addresses_only(toy_llama, method):
         patch.setattr(graph, "mark_static", spy)
         greedy_generate(toy_llama, [_prompt()], 41, [], 0)
         layers = [session._layers[i] for i in sorted(session._layers)]
-    buffers = [t for layer in layers for t in layer.buffers()]
+        token_logp = session._token_logp  # SirLLM's surprisal of the step's token, which the step writes
+    buffers = [t for layer in layers for t in layer.buffers()] + ([] if token_logp is None else [token_logp])
+    assert (token_logp is not None) == (method == "sirllm")
     assert buffers and len(marked) >= len(buffers) + 4
     addresses = {ptr for _, ptr in marked.values()}
     assert all(t.data_ptr() in addresses for t in buffers)  # what the layers hold now is what the graph wrote
@@ -298,7 +300,8 @@ def test_a_padded_batch_decodes_as_each_row_alone(toy_llama):
     assert both.tokens[0] == alone[0]
 
 
-@pytest.mark.parametrize("method", ["fullkv", "snapkv", "h2o", "d2o", "tova", "streamingllm", "think", "lminfinite"])
+@pytest.mark.parametrize("method", ["fullkv", "snapkv", "h2o", "d2o", "tova", "streamingllm", "think", "lminfinite",
+                                    "sirllm"])
 def test_a_batch_of_three_runs_in_the_bucket_of_four(toy_llama, method):
     """Three left-padded rows decode in a bucket of four (the fourth repeats the third and is dropped): the tokens
     are the host-driven path's, and the reported bytes are three rows'."""
