@@ -52,8 +52,8 @@ def test_graph_and_compile_are_one_setting():
     (("engine.compile=true", "engine.decode=eager"), "engine.compile=true is engine.decode=graph; it contradicts"),
     (("engine.decode=graph", "method=sirllm", "method.entropy=official_code"),
      "engine.decode=graph: method 'sirllm' has no captured decode step .*; use engine.decode=eager"),
-    (("engine.compile=true", "method=infllm"), "engine.compile=true: method 'infllm' has no captured "
-                                               "decode step .*; use engine.compile=false"),
+    (("engine.compile=true", "method=omnikv", "method.offload=always"),
+     "engine.compile=true: method 'omnikv' has no captured decode step .*; use engine.compile=false"),
     (("engine.decode=graph", "task=pg19"), "task 'pg19' runs its own forwards"),
     (("engine.decode=graph", "position_mode=compact", "method=streamingllm"), "position_mode=compact re-rotates"),
 ])

@@ -290,8 +290,8 @@ def test_a_locked_job_is_refused_before_the_model_loads(tmp_path, monkeypatch):
 REFUSED_BEFORE_LOAD = [
     (["model=falcon-7b"], "is a 'falcon' model"),
     (["model=internlm2.5-7b-chat-1m"], "is a 'internlm2' model"),
-    (["engine.compile=true", "method=infllm"],
-     "engine.compile=true: method 'infllm' has no captured decode step"),
+    (["engine.compile=true", "method=sirllm", "method.entropy=official_code"],
+     "engine.compile=true: method 'sirllm' has no captured decode step"),
 ]
 
 

@@ -21,7 +21,7 @@ from kvbench.methods import build_method
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
           "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o",
-          "lminfinite", "kvzip", "roco", "triattention", "cam", "pyramidinfer", "sirllm"]
+          "lminfinite", "kvzip", "roco", "triattention", "cam", "pyramidinfer", "sirllm", "infllm"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
 #: ThinK's keys keep half their channels: its default inner SnapKV (no probabilities: the fused kernel over the kept
@@ -196,7 +196,8 @@ def test_the_host_driven_path_is_not_captured(toy_llama, monkeypatch):
     assert counters["stats"]["unique_graphs"] == 0
 
 
-@pytest.mark.parametrize("method", ["fullkv", "h2o", "d2o", "omnikv", "quest", "think+h2o", "pyramidinfer", "sirllm"])
+@pytest.mark.parametrize("method", ["fullkv", "h2o", "d2o", "omnikv", "quest", "think+h2o", "pyramidinfer", "sirllm",
+                                    "infllm"])
 def test_the_captured_step_writes_static_addresses_only(toy_llama, method):
     """Every tensor the captured step mutates (slots, positions, validity, the method's per-entry and per-row state,
     the step's token / position / output buffers) is allocated before the first captured step, marked a static
@@ -480,6 +481,42 @@ def test_the_captured_step_hands_the_next_step_its_tokens_log_probability(toy_ll
     assert float(buffers.token_logp) < 0
 
 
+#: the default split of budget 64 (5 init, 1 block of 32, a window of 27), explicit sizes (the budget unused), and
+#: budget 96 in blocks of 16
+INFLLM_FIELDS = [({}, 64), ({"n_init": 4, "n_local": 24, "topk": 2, "block_size": 8, "repr_topk": 3,
+                             "exc_block_size": 16}, None), ({"block_size": 16, "repr_topk": 1}, 96)]
+
+
+@pytest.mark.parametrize(("fields", "budget"), INFLLM_FIELDS,
+                         ids=lambda f: (",".join(f"{k}={v}" for k, v in f.items()) or "default")
+                         if isinstance(f, dict) else str(f))
+def test_static_infllm_attends_and_remembers_as_the_default_path(toy_llama, fields, budget):
+    """InfLLM's captured step retrieves the top blocks, attends the window and the memory at their two distances and
+    forms the next block as tokens leave the window: after 60 steps each layer's memory (the blocks' representative
+    keys, their count, the first unblocked position, each unblocked entry's score per query head) equals the default
+    path's, with more blocks than it retrieves and blocks formed during the decode."""
+    new = 60
+    eager, eager_session = _generate(toy_llama, "infllm", budget or 64, False, [_prompt()], new=new, fields=fields)
+    memory = {i: (m.repr.clone(), m.score.clone(), m.start) for i, m in eager_session.method._memory.items()}
+    static, static_session = _generate(toy_llama, "infllm", budget or 64, "eager", [_prompt()], new=new,
+                                       fields=fields)
+    assert static.tokens == eager.tokens
+    assert static_session.stats.attended_tokens_mean == pytest.approx(eager_session.stats.attended_tokens_mean)
+    topk = static_session.method.resolve(200)[1]  # the budget's split, or the explicit topk
+    for idx in sorted(static_session._layers):
+        layer = static_session._layers[idx]
+        reprs, scores, start = memory[idx]
+        count = int(layer.row_state["infllm_blocks"])
+        assert count == reprs.shape[1] > topk
+        assert int(layer.row_state["infllm_start"]) == start
+        torch.testing.assert_close(layer.row_state["infllm_repr"][0, :, :count], reprs, rtol=0, atol=1e-5)
+        hkv, g = layer.values.shape[1], reprs.shape[0] // layer.values.shape[1]
+        mine = layer.state["infllm_score"][0, :, start : start + scores.shape[1]].transpose(1, 2).reshape(hkv * g, -1)
+        torch.testing.assert_close(mine, scores, rtol=1e-5, atol=1e-6)
+    before = {i: m.num_blocks for i, m in static_session.method._memory.items()}  # the prompt's, left by prefill
+    assert all(memory[i][0].shape[1] > before[i] for i in memory)
+
+
 def _pod_map(tmp_path, blocks, granularity="kv_head") -> str:
     import json
 
@@ -661,7 +698,7 @@ def test_static_omnikv_selects_the_default_paths_tokens(toy_llama, selector, rea
     assert chosen["eager"][1:] == chosen[False][1:]
 
 
-NO_STATIC = [("sirllm", {"entropy": "official_code"}), ("infllm", {}),
+NO_STATIC = [("sirllm", {"entropy": "official_code"}),
              ("omnikv", {"filter_layers": [0], "offload": "always"})]  # a context bank on the host
 
 
@@ -683,7 +720,7 @@ def test_every_method_without_a_static_step_says_why_in_its_own_words():
             without.append(name)
             assert type(m).static_refusal is not Method.static_refusal, f"{name}: no static_refusal of its own"
             assert m.static_refusal() != Method.static_refusal(m) and "\n" not in m.static_refusal()
-    assert {"sirllm", "infllm", "cla", "offload"} <= set(without)  # sirllm: entropy=official_code
+    assert {"sirllm", "cla", "offload"} <= set(without)  # sirllm: entropy=official_code
 
 
 @pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else

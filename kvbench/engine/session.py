@@ -433,7 +433,7 @@ class CompressionSession:
                 extra = shared - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
             state = ("acc",) * policy.accumulate + policy.state
-            initial = self.method.static_state(layer, self._method_index[idx]) \
+            initial = self.method.static_state(layer, self._method_index[idx], held + extra) \
                 if idx in self._method_index and not self.budget.is_full else ({}, {})
             static = StaticKVLayer.from_layer(layer, extra, state, rows, pool.taker((idx,), device),
                                               key_window=policy.key_window, initial=initial)

@@ -137,12 +137,13 @@ class Method:
             return StaticPolicy()
         return None
 
-    def static_state(self, layer: KVLayer, layer_idx: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    def static_state(self, layer: KVLayer, layer_idx: int,
+                     slots: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The per-entry and per-row state the captured step of this method's ``layer_idx``-th layer starts from that
-        the method keeps outside the layer (``decode_state_outside_cache``), when the layer turns static: per-entry
-        tensors ``(B, H, n)`` or ``(B, H, n, k)`` named in its ``StaticPolicy.state`` (entries in the layer's order),
-        per-row tensors ``(B, ...)`` its functions read as ``slots.row_state``. Default: none (the layer's own
-        ``state`` and ``row_state``)."""
+        the method keeps outside the layer, when the layer turns static with ``slots`` slots per (row, head):
+        per-entry tensors ``(B, H, n)`` or ``(B, H, n, k)`` named in its ``StaticPolicy.state`` (entries in the
+        layer's order), per-row tensors ``(B, ...)`` its functions read as ``slots.row_state`` (sized for what the
+        generation can reach: InfLLM's memory blocks). Default: none (the layer's own ``state`` and ``row_state``)."""
         return {}, {}
 
     def ragged_cache(self) -> bool:

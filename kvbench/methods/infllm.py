@@ -36,6 +36,84 @@ def split_budget(tokens: int, block_size: int) -> tuple[int, int, int]:
     return n_init, topk, n_local
 
 
+def _fixed_query(slots, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's query at the memory's fixed angle ``n_local - 1`` ``(B, Hq, 1, D)`` float32, and its position
+    ``(B, 1, 1)`` (the newest slot's: the step's own entry, just written)."""
+    from kvbench.engine.rope import rotate_keys
+
+    b, hq = slots.query.shape[:2]
+    p = slots.positions.masked_fill(~slots.valid, -1).amax(-1)[:, :1].view(b, 1, 1)
+    delta = (n_local - 1 - p).float().expand(b, hq, 1)
+    return rotate_keys(slots.query.float(), delta, slots.rope_inv_freq.to(slots.query.device)), p
+
+
+def static_attend(slots, policy) -> torch.Tensor:
+    """The entries InfLLM's decode step attends (``StaticPolicy.attend``), ``(B, Hkv, C)``: the init tokens, the
+    tokens of the ``topk`` memory blocks whose representative keys score highest against the query at the fixed angle
+    (summed over heads; every block while there are at most ``topk``), and the tokens from the first not in a block
+    on (the local window among them). The slots hold every entry at its position's index (nothing is evicted)."""
+    n_init, topk, n_local, block, _ = policy.params
+    reprs, blocks, start = (slots.row_state[k] for k in ("infllm_repr", "infllm_blocks", "infllm_start"))
+    b, _, m, _ = reprs.shape
+    q_fixed, _ = _fixed_query(slots, n_local)
+    scores = torch.einsum("bhd,bhmd->bm", q_fixed[:, :, 0], reprs)
+    exists = torch.arange(m, device=scores.device).view(1, m) < blocks.view(b, 1)
+    top = torch.topk(scores.masked_fill(~exists, float("-inf")), topk, dim=-1).indices
+    chosen = torch.zeros_like(exists).scatter_(-1, top, True) & exists  # (B, M)
+    positions = slots.positions
+    of_block = ((positions - n_init) // block).clamp(0, m - 1)
+    in_chosen = torch.gather(chosen.view(b, 1, m).expand(b, positions.shape[1], m), -1, of_block)
+    blocked = (positions >= n_init) & (positions < start)
+    return slots.valid & ((positions < n_init) | (blocked & in_chosen) | (positions >= start))
+
+
+def static_attention(slots, policy) -> torch.Tensor:
+    """InfLLM's decode attention in the captured step (``StaticPolicy.attention``; ``slots.valid``: what
+    :func:`static_attend` chose): the local window at the keys' own positions, every other attended entry at the fixed
+    distance ``n_local`` (keys rotated back to position 0, the query to ``n_local - 1``), one softmax over both; the
+    local attention each entry received joins its per-query-head score (``slots.state["infllm_score"]``
+    ``(B, Hkv, C, g)``), and once the ``block_size`` entries from the first unblocked one on are ``n_local`` behind
+    the query they form the next memory block: per query head the mean of the ``repr_topk`` highest-scored keys at
+    position 0 (``InfLLM._form_blocks``). Returns ``(B, Hq, 1, D)``."""
+    from kvbench.engine.rope import rotate_keys
+
+    n_init, _, n_local, block, repr_topk = policy.params
+    keys, values, positions, attended, query = slots.keys, slots.values, slots.positions, slots.valid, slots.query
+    reprs, blocks, start = (slots.row_state[k] for k in ("infllm_repr", "infllm_blocks", "infllm_start"))
+    score = slots.state["infllm_score"]
+    b, hq, _, d = query.shape
+    hkv, c = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    inv_freq = slots.rope_inv_freq.to(query.device)
+    q_fixed, p = _fixed_query(slots, n_local)
+    k_mem = rotate_keys(keys.float(), (-positions).float(), inv_freq)
+    dist = p - positions
+    local = (dist >= 0) & (dist < n_local)
+    distant = dist >= n_local
+    qg, qf = query.float().view(b, hkv, g, 1, d), q_fixed.view(b, hkv, g, 1, d)
+    logits_local = torch.einsum("bhgqd,bhkd->bhgqk", qg, keys.float()) * slots.scaling
+    logits_mem = torch.einsum("bhgqd,bhkd->bhgqk", qf, k_mem) * slots.scaling
+    near, far = local.view(b, hkv, 1, 1, c), distant.view(b, hkv, 1, 1, c)
+    logits = torch.where(near, logits_local, torch.where(far, logits_mem, float("-inf")))
+    probs = torch.softmax(logits.masked_fill(~attended.view(b, hkv, 1, 1, c), float("-inf")), dim=-1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, 1, d)
+    # (entries before the first unblocked one gather scores too, which nothing reads: a block takes its own entries')
+    score.add_((probs * near).sum(-2).transpose(-1, -2))  # (B, Hkv, C, g)
+    # the next block, where its block_size entries are all n_local behind the query (at most one per step)
+    due = p >= start + block + n_local - 1  # (B, 1, 1)
+    inside = ((positions >= start) & (positions < start + block)).unsqueeze(-1)
+    top = torch.topk(score.masked_fill(~inside, float("-inf")), repr_topk, dim=2).indices  # (B, Hkv, r, g)
+    flat = top.transpose(-1, -2).reshape(b, hkv, g * repr_topk)
+    chosen_keys = torch.gather(keys.float(), 2, flat.unsqueeze(-1).expand(b, hkv, g * repr_topk, d))
+    at = torch.gather(positions, 2, flat)
+    k_pre = rotate_keys(chosen_keys, (-at).float(), inv_freq).view(b, hkv, g, repr_topk, d).mean(3).view(b, hq, 1, d)
+    index = blocks.view(b, 1, 1, 1).clamp(max=reprs.shape[2] - 1).expand(b, hq, 1, d)
+    reprs.scatter_(2, index, torch.where(due.view(b, 1, 1, 1), k_pre, torch.gather(reprs, 2, index)))
+    blocks.add_(due.long())
+    start.add_(due.long() * block)
+    return out
+
+
 @dataclass
 class _Memory:
     """One layer's context memory: blocks ``[n_init + b * bs, n_init + (b+1) * bs)`` formed so far, their
@@ -72,6 +150,8 @@ class InfLLM(Method):
     query to angle ``n_local - 1`` (``rotate_keys`` with the model's RoPE frequencies; a model whose RoPE cannot be
     re-rotated is refused). Nothing is evicted: resident KV is FullKV. The GPU LRU cache of ``max_cached_block``
     blocks and the CPU offload of the others are memory placement only (no effect on outputs) and are not modelled.
+    The captured decode step runs the same step over slots holding every entry (``static_attend``,
+    ``static_attention``): it reads every slot's key, as the host-driven path's gather of the candidates does not.
 
     Budget: ``n_init``, ``n_local``, ``topk`` all set: used as given, the budget is unused. All null (default): the
     attended tokens ``n_init + topk * block_size + n_local`` are split in the proportions of OmniKV's LongBench
@@ -112,11 +192,32 @@ class InfLLM(Method):
         self._params: tuple[int, int, int] | None = None  # (n_init, topk, n_local) of the current sample
         self._memory: dict[int, _Memory] = {}
 
-    def static_refusal(self) -> str:
-        return (
-            "its decode attention is its own: the local window at true distances plus retrieved blocks at a fixed "
-            "re-rotated distance, with blocks forming from the window's attention as tokens leave it"
-        )
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """The captured step: :func:`static_attend` (retrieval) and :func:`static_attention` (the two-distance
+        attention, the window's scores, the next block), over slots that hold every entry (nothing is evicted)."""
+        from kvbench.engine.static import StaticPolicy
+
+        n_init, topk, n_local = self._params if self._params is not None else (0, 1, 1)
+        return StaticPolicy(attend=static_attend, attention=static_attention, state=("infllm_score",),
+                            params=(n_init, topk, n_local, self.block_size, self.repr_topk))
+
+    def static_state(self, layer: KVLayer, layer_idx: int, slots: int):
+        """The layer's memory: each unblocked entry's local-window score per query head ``(1, Hkv, n, g)``, the
+        blocks' representative keys ``(1, Hq, M, D)`` (room for every block ``slots`` entries can form, at least
+        ``topk``), the block count and the first unblocked position."""
+        mem = self._memory[layer_idx]
+        hq, _, d = mem.repr.shape
+        hkv, n = layer.values.shape[1], layer.num_entries
+        device = mem.repr.device
+        score = torch.zeros(1, hkv, n, hq // hkv, device=device)
+        tail = mem.score.shape[1]
+        score[0, :, mem.start : mem.start + tail] = mem.score.view(hkv, hq // hkv, tail).transpose(1, 2)
+        room = max(slots // self.block_size + 1, self._params[1])
+        reprs = torch.zeros(1, hq, room, d, device=device)
+        reprs[0, :, : mem.num_blocks] = mem.repr
+        count = torch.full((1, 1, 1), mem.num_blocks, dtype=torch.long, device=device)
+        start = torch.full((1, 1, 1), mem.start, dtype=torch.long, device=device)
+        return {"infllm_score": score}, {"infllm_repr": reprs, "infllm_blocks": count, "infllm_start": start}
 
     @property
     def explicit(self) -> bool:

@@ -185,7 +185,7 @@ class PyramidInfer(Method):
                             params=(window, self.gen_chunk, keep, self.distance_weight),
                             entries=partial(generated_entries, window, self.gen_chunk, keep, frozen))
 
-    def static_state(self, layer: KVLayer, layer_idx: int):
+    def static_state(self, layer: KVLayer, layer_idx: int, slots: int):
         """The layer's last-W attention rows ``(1, Hkv, entries, W)`` (the same in every head) and frozen count."""
         rows = self._rows[layer_idx]  # (W, entries), oldest query first
         h = layer.values.shape[1]
