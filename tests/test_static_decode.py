@@ -21,14 +21,15 @@ from kvbench.methods import build_method
 pytestmark = pytest.mark.compat
 STATIC = ["fullkv", "snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "local", "kvmerger", "quest", "knorm",
           "keydiff", "expected_attention", "adakv", "chunkkv", "d2o", "omnikv", "tova", "rkv", "think", "think+h2o",
-          "lminfinite", "kvzip", "roco", "triattention", "cam", "pyramidinfer", "sirllm", "infllm"]
+          "lminfinite", "kvzip", "roco", "triattention", "cam", "pyramidinfer", "sirllm", "infllm", "cla"]
 # OmniKV's default filter layers (Llama-3-8B's, scaled) leave no sparse layer on a 3-layer model: one filter layer
 #: AdaKV's default ragged layout has no fixed-capacity form (refused: test_ragged_cache); its padded layout runs
 #: ThinK's keys keep half their channels: its default inner SnapKV (no probabilities: the fused kernel over the kept
 #: channels) and H2O (probabilities accumulated and an eviction every step over them)
+#: CLA runs its untrained proxy (its mechanism, not its quality): layer 1 attends layer 0's slots, layer 2 its own
 #: TriAttention compresses every layer after the forward where they hold budget + 16 (its host phase between captured
 #: steps: 3 of them in the 66-step test, the first at the 40-token prompt's 24th step)
-FIELDS = {"omnikv": {"filter_layers": [0]}, "adakv": {"layout": "padded"},
+FIELDS = {"omnikv": {"filter_layers": [0]}, "adakv": {"layout": "padded"}, "cla": {"allow_untrained": True},
           "think+h2o": {"name": "think", "inner": {"name": "h2o"}}, "triattention": {"divide_length": 16}}
 
 
@@ -517,6 +518,30 @@ def test_static_infllm_attends_and_remembers_as_the_default_path(toy_llama, fiel
     assert all(memory[i][0].shape[1] > before[i] for i in memory)
 
 
+@pytest.mark.parametrize("factor", [2, 3])
+def test_static_cla_upper_layers_attend_the_lower_layers_slots_and_hold_none(toy_llama, factor):
+    """CLA's captured step: the upper layers of a group (layer 1 of the pair 0-1; layers 1 and 2 of the group of three)
+    attend the lowest layer's slots, which hold the step's entry already, and have no slot of their own; a group's
+    lowest layer appends (the budget is unused). The tokens and the resident bytes (the lowest layers' entries) are
+    the default path's; a padded batch of two included."""
+    prompts = [_prompt(120, 3), _prompt(90, 4)]
+    fields = {"allow_untrained": True, "sharing_factor": factor}
+    eager, eager_session = _generate(toy_llama, "cla", 64, False, prompts, new=24, fields=fields)
+    static, static_session = _generate(toy_llama, "cla", 64, "eager", prompts, new=24, fields=fields)
+    assert static.tokens == eager.tokens
+    layers = static_session._layers
+    lowest = [i for i in layers if i % factor == 0]
+    for idx in layers:
+        assert layers[idx].borrows == (idx not in lowest)
+        assert (layers[idx].keys.shape[2] == 0 and layers[idx].resident_bytes() == 0) == (idx not in lowest)
+    assert static.resident_kv_bytes_final == eager.resident_kv_bytes_final > 0
+    for idx in lowest:
+        valid = layers[idx].valid
+        held = layers[idx].positions.masked_fill(~valid, -1).sort(-1).values[..., -(120 + 23):]
+        assert torch.equal(held, eager_session._layers[idx].positions.masked_fill(
+            ~eager_session._layers[idx].valid, -1)[..., -(120 + 23):])
+
+
 def _pod_map(tmp_path, blocks, granularity="kv_head") -> str:
     import json
 
@@ -720,7 +745,7 @@ def test_every_method_without_a_static_step_says_why_in_its_own_words():
             without.append(name)
             assert type(m).static_refusal is not Method.static_refusal, f"{name}: no static_refusal of its own"
             assert m.static_refusal() != Method.static_refusal(m) and "\n" not in m.static_refusal()
-    assert {"sirllm", "cla", "offload"} <= set(without)  # sirllm: entropy=official_code
+    assert {"sirllm", "offload"} <= set(without)  # sirllm: entropy=official_code
 
 
 @pytest.mark.parametrize(("method", "fields"), NO_STATIC, ids=lambda x: x if isinstance(x, str) else

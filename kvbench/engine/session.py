@@ -123,6 +123,11 @@ def _extra_slots(policy: StaticPolicy, caps: list[int], held: int, compression, 
     return max(1, reserve)
 
 
+def _holds_none(held: int, steps: int) -> int:
+    """The entries a layer attending another layer's slots holds (``StaticPolicy.source``): none."""
+    return 0
+
+
 class CompressionSession:
     """``sliding_layers`` (``engine.architecture``): ``window`` leaves sliding-window layers to their window and lets
     the method compress the full-attention layers (seeing them as layers ``0 .. L'-1`` of an ``L'``-layer model, so
@@ -432,11 +437,14 @@ class CompressionSession:
             elif shared is not None and idx in sharing:
                 extra = shared - held
             extra += -(held + extra) % policy.slot_multiple  # whole pages of slots (Quest)
+            if policy.source is not None:  # attends another layer's slots, keeps none (CLA's upper layers)
+                held, extra = 0, 0
             state = ("acc",) * policy.accumulate + policy.state
             initial = self.method.static_state(layer, self._method_index[idx], held + extra) \
                 if idx in self._method_index and not self.budget.is_full else ({}, {})
             static = StaticKVLayer.from_layer(layer, extra, state, rows, pool.taker((idx,), device),
                                               key_window=policy.key_window, initial=initial)
+            static.borrows = policy.source is not None
             if compresses:
                 self._captured_layer(compression, idx, layer, static, rows, pool)
             if policy.choose is not None:  # a selection later layers attend through (OmniKV's filter layer)
@@ -461,7 +469,8 @@ class CompressionSession:
             # the entries it holds from here on (``_record_resident``): one more per step, at most the capacity where
             # its step evicts (a row above its capacity, D2O's never-compressed ones: what it holds), or the count its
             # step's own schedule gives (StaticPolicy.entries)
-            limit = policy.entries or (None if policy.evict is None else max(max(caps), held))
+            limit = _holds_none if policy.source is not None else \
+                policy.entries or (None if policy.evict is None else max(max(caps), held))
             self._occupancy[idx] = (self._decode_step, held, limit)
             static.entries = held
             capacity = pool.take(("capacity", idx), (rows, 1, 1), torch.long, device)
@@ -622,6 +631,8 @@ class CompressionSession:
         spec = self.layer_specs[idx]
         chosen = self._chosen.get(policy.selection[0]) if policy.selection is not None else None
         shared = self._shared.get(policy.shared) if policy.shared is not None else None
+        if policy.source is not None:  # another layer's slots, this step's entry written there already (CLA)
+            layer = self._layers[self.compressed[policy.source]]
         slots = StepSlots(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity,
                           layer.row_state, chosen, query, scaling, self.rope_inv_freq, layer.key_channels,
                           spec.softcap, spec.sinks, layer.state, shared,
@@ -787,7 +798,8 @@ class CompressionSession:
         idx = module.layer_idx
         layer = self._layers[idx]
         position_ids = kwargs["position_ids"]
-        layer.write_step(key, value, position_ids.view(position_ids.shape[0], -1)[:, -1:])
+        if not layer.borrows:
+            layer.write_step(key, value, position_ids.view(position_ids.shape[0], -1)[:, -1:])
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         out, attended = self._layer_step(layer, idx, query, scaling)
         self._attended_acc.index_add_(0, self._attended_column.view(1), attended.view(1))

@@ -98,6 +98,8 @@ class StaticPolicy:
       turned static holds ``steps`` steps later, for a step that frees entries on a schedule of its own (PyramidInfer's
       chunks of generated tokens), which sizes its slots and counts its resident bytes without a read; None: one more
       per step, at most the capacity where ``evict`` is set;
+    * ``source``: the layer attends the slots of the method's layer ``source`` (written earlier in the same step)
+      with its own query and keeps no entry: it holds no slot and its step writes nothing (CLA's upper layers);
     * ``token_logp``: the step reads ``slots.token_logp``, the model's log-probability of the step's input token
       under the previous forward's prediction (SirLLM's surprisal): the captured step writes it after its output head
       for the next step, the host before the first one;
@@ -125,6 +127,7 @@ class StaticPolicy:
     key_window: tuple[int, int] | None = None
     entries: Callable[[int, int], int] | None = None
     token_logp: bool = False
+    source: int | None = None
 
     def __post_init__(self) -> None:
         if self.acc_agg not in ("mean", "max"):
@@ -278,6 +281,8 @@ class StaticKVLayer(KVLayer):
         new.rope_pos = None
         new.last_slot = torch.zeros(b, h, 1, dtype=torch.long, device=device)
         new.captured = False
+        #: the layer attends another layer's slots and keeps none (``StaticPolicy.source``): nothing is written here
+        new.borrows = False
         #: a layer compressed during decode (``method.decode_compression``): the slot the next step writes, a 0-d
         #: device tensor (the eager layer appends at its end: slots ``[0, fill)`` are laid out as it holds them)
         new.fill = None
@@ -320,7 +325,7 @@ class StaticKVLayer(KVLayer):
         """Write one step's key/value ``(B, H, 1, D)`` into the first free slot (a scatter, in place). In a captured
         step (``captured``) the step's attention writes them (``write_step``) and this returns them unchanged: the
         position comes with them there, and the host's count of tokens seen (``seen``) is not read inside a graph."""
-        if self.captured:
+        if self.captured or self.borrows:  # (a layer attending another's slots keeps nothing: StaticPolicy.source)
             return key_states, value_states
         if key_states.shape[-2] != 1:
             raise NotImplementedError("engine.compile decodes one token per step")
@@ -407,7 +412,8 @@ class StaticKVLayer(KVLayer):
 
     def assign_positions(self, positions: torch.Tensor) -> None:
         """The step's position ``(B, 1, 1)`` (from the model's ``position_ids``) at the slot it was written to."""
-        self.positions.scatter_(-1, self.last_slot, positions.expand_as(self.last_slot))
+        if not self.borrows:
+            self.positions.scatter_(-1, self.last_slot, positions.expand_as(self.last_slot))
 
     def resident_bytes(self) -> int:
         """The bytes of the entries the layer holds, as the host-driven path's layer holds them: ``entries`` (the

@@ -50,7 +50,8 @@ class CLA(Method):
     CLA needs a model trained with this sharing (``requires_training``). ``adapted_checkpoint=true`` declares that
     ``model=<config>`` points at such a checkpoint (e.g. uptrained the way ``scripts/pod_adapt.py`` uptrains POD);
     ``allow_untrained=true`` runs the training-free proxy on an ordinary model deliberately (expected to collapse,
-    methods.md B12) and says so in the results' method description (``regime``).
+    methods.md B12) and says so in the results' method description (``regime``). The captured decode step gives the
+    upper layers no slot: they attend the lowest layer's (``StaticPolicy.source``).
     """
 
     name: ClassVar[str] = "cla"
@@ -70,11 +71,13 @@ class CLA(Method):
                 raise ConfigError(f"method 'cla': {key}={getattr(self, key)!r} must be true or false")
         self._sources: dict[int, KVLayer] = {}  # lowest layer of a group -> its cache layer
 
-    def static_refusal(self) -> str:
-        return (
-            "its upper layers attend the cache of their group's lowest layer with their own queries and keep none; "
-            "the captured step gives every layer its own slots"
-        )
+    def static_policy(self, capacity: int, layer_idx: int = 0):
+        """The captured step: a group's lowest layer appends, the others attend its slots (``StaticPolicy.source``)
+        with the engine's attention (plain causal attention over every entry it holds, as ``shared_attention``)."""
+        from kvbench.engine.static import StaticPolicy
+
+        source = self.source_layer(layer_idx)
+        return StaticPolicy() if source == layer_idx else StaticPolicy(source=source)
 
     def validate(self, budget: Budget) -> None:
         if not (self.adapted_checkpoint or self.allow_untrained):
