@@ -482,6 +482,26 @@ def test_the_captured_step_hands_the_next_step_its_tokens_log_probability(toy_ll
     assert float(buffers.token_logp) < 0
 
 
+def test_static_infllm_replays_one_graph_for_a_ratio_budgets_samples(toy_llama, capturable):
+    """A ratio budget (OmniKV's Mem%) sizes InfLLM's init tokens, blocks and window per prompt: the captured step reads
+    them from the layers' row state, so a job's samples of three lengths (one slot count: the job's longest prompt)
+    replay one graph, and each decodes as its host-driven path does."""
+    torch._dynamo.reset()
+    counters.clear()
+    b = Budget.parse(0.6)
+    sizes = set()
+    for seed, n in enumerate((300, 260, 220)):
+        tokens = {}
+        for compile in (False, "eager"):
+            method = build_method({"name": "infllm"}, b)
+            with CompressionSession(toy_llama, method, b, compile=compile, job_lengths=(300, 16)):
+                tokens[compile] = greedy_generate(toy_llama, [_prompt(n, seed)], 16, [], 0).tokens
+            sizes.add(method._params)
+        assert tokens[False] == tokens["eager"]
+    assert len(sizes) == 3  # three samples' own sizes
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 #: the default split of budget 64 (5 init, 1 block of 32, a window of 27), explicit sizes (the budget unused), and
 #: budget 96 in blocks of 16
 INFLLM_FIELDS = [({}, 64), ({"n_init": 4, "n_local": 24, "topk": 2, "block_size": 8, "repr_topk": 3,

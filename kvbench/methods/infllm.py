@@ -36,7 +36,15 @@ def split_budget(tokens: int, block_size: int) -> tuple[int, int, int]:
     return n_init, topk, n_local
 
 
-def _fixed_query(slots, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sizes(slots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n_init``, ``topk``, ``n_local`` of the current sample, ``(B, 1, 1)`` each: device values, not constants of
+    the graph (a ratio budget sizes them per prompt; the job's samples replay one graph)."""
+    sizes = slots.row_state["infllm_sizes"]  # (B, 3)
+    b = sizes.shape[0]
+    return sizes[:, 0].view(b, 1, 1), sizes[:, 1].view(b, 1, 1), sizes[:, 2].view(b, 1, 1)
+
+
+def _fixed_query(slots, n_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's query at the memory's fixed angle ``n_local - 1`` ``(B, Hq, 1, D)`` float32, and its position
     ``(B, 1, 1)`` (the newest slot's: the step's own entry, just written)."""
     from kvbench.engine.rope import rotate_keys
@@ -52,14 +60,17 @@ def static_attend(slots, policy) -> torch.Tensor:
     tokens of the ``topk`` memory blocks whose representative keys score highest against the query at the fixed angle
     (summed over heads; every block while there are at most ``topk``), and the tokens from the first not in a block
     on (the local window among them). The slots hold every entry at its position's index (nothing is evicted)."""
-    n_init, topk, n_local, block, _ = policy.params
+    block = policy.params[0]
+    n_init, topk, n_local = _sizes(slots)
     reprs, blocks, start = (slots.row_state[k] for k in ("infllm_repr", "infllm_blocks", "infllm_start"))
     b, _, m, _ = reprs.shape
     q_fixed, _ = _fixed_query(slots, n_local)
     scores = torch.einsum("bhd,bhmd->bm", q_fixed[:, :, 0], reprs)
-    exists = torch.arange(m, device=scores.device).view(1, m) < blocks.view(b, 1)
-    top = torch.topk(scores.masked_fill(~exists, float("-inf")), topk, dim=-1).indices
-    chosen = torch.zeros_like(exists).scatter_(-1, top, True) & exists  # (B, M)
+    ranks = torch.arange(m, device=scores.device).view(1, m).expand(b, m)
+    exists = ranks < blocks.view(b, 1)
+    order = torch.sort(scores.masked_fill(~exists, float("-inf")), dim=-1, descending=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, ranks)
+    chosen = (rank < topk.view(b, 1)) & exists  # (B, M): the topk best, or every block while there are fewer
     positions = slots.positions
     of_block = ((positions - n_init) // block).clamp(0, m - 1)
     in_chosen = torch.gather(chosen.view(b, 1, m).expand(b, positions.shape[1], m), -1, of_block)
@@ -77,7 +88,8 @@ def static_attention(slots, policy) -> torch.Tensor:
     position 0 (``InfLLM._form_blocks``). Returns ``(B, Hq, 1, D)``."""
     from kvbench.engine.rope import rotate_keys
 
-    n_init, _, n_local, block, repr_topk = policy.params
+    block, repr_topk = policy.params
+    _, _, n_local = _sizes(slots)
     keys, values, positions, attended, query = slots.keys, slots.values, slots.positions, slots.valid, slots.query
     reprs, blocks, start = (slots.row_state[k] for k in ("infllm_repr", "infllm_blocks", "infllm_start"))
     score = slots.state["infllm_score"]
@@ -197,14 +209,14 @@ class InfLLM(Method):
         attention, the window's scores, the next block), over slots that hold every entry (nothing is evicted)."""
         from kvbench.engine.static import StaticPolicy
 
-        n_init, topk, n_local = self._params if self._params is not None else (0, 1, 1)
         return StaticPolicy(attend=static_attend, attention=static_attention, state=("infllm_score",),
-                            params=(n_init, topk, n_local, self.block_size, self.repr_topk))
+                            params=(self.block_size, self.repr_topk))
 
     def static_state(self, layer: KVLayer, layer_idx: int, slots: int):
         """The layer's memory: each unblocked entry's local-window score per query head ``(1, Hkv, n, g)``, the
         blocks' representative keys ``(1, Hq, M, D)`` (room for every block ``slots`` entries can form, at least
-        ``topk``), the block count and the first unblocked position."""
+        ``topk``), the block count, the first unblocked position and the sample's ``n_init``, ``topk``,
+        ``n_local``."""
         mem = self._memory[layer_idx]
         hq, _, d = mem.repr.shape
         hkv, n = layer.values.shape[1], layer.num_entries
@@ -212,12 +224,14 @@ class InfLLM(Method):
         score = torch.zeros(1, hkv, n, hq // hkv, device=device)
         tail = mem.score.shape[1]
         score[0, :, mem.start : mem.start + tail] = mem.score.view(hkv, hq // hkv, tail).transpose(1, 2)
-        room = max(slots // self.block_size + 1, self._params[1])
+        room = slots // self.block_size + 1  # (a shape of the graph: the slots', not the sample's sizes)
         reprs = torch.zeros(1, hq, room, d, device=device)
         reprs[0, :, : mem.num_blocks] = mem.repr
         count = torch.full((1, 1, 1), mem.num_blocks, dtype=torch.long, device=device)
         start = torch.full((1, 1, 1), mem.start, dtype=torch.long, device=device)
-        return {"infllm_score": score}, {"infllm_repr": reprs, "infllm_blocks": count, "infllm_start": start}
+        sizes = torch.tensor([self._params], dtype=torch.long, device=device)
+        return {"infllm_score": score}, {"infllm_repr": reprs, "infllm_blocks": count, "infllm_start": start,
+                                         "infllm_sizes": sizes}
 
     @property
     def explicit(self) -> bool:
