@@ -10,8 +10,8 @@ buffer. Evicting layers whose capacities the method sets per layer from the prom
 the most any of them needs rounded up to 64, where each sample was a graph of its own, and so do all the layers of a
 method whose entry counts per layer or head follow the prompt's content (``Method.capacities_from_content``:
 DynamicKV, KVMerger, AdaKV: which layers exceed the budget's mean, or turn ragged, changed per sample). H2O's recent
-window and Quest's page budget follow each row's capacity in the step (a prompt under the budget made them graph
-constants of its own), and Quest's layers, which keep every entry, take the job's longest prompt. Pinned as counts
+window, Quest's page budget and CaM's start and recent counts follow each row's capacity in the step (a prompt under
+the budget, or a ratio budget, made them graph constants of its own: CaM compiled a graph per sample), and Quest's layers, which keep every entry, take the job's longest prompt. Pinned as counts
 and addresses; the tokens, the final resident bytes and the resident curve stay the host-driven path's (the slots a
 short prompt's layers take for the job's longest are layout, not memory the method keeps).
 """
@@ -58,7 +58,7 @@ def _job(model, name: str, budget: str, compile, job_lengths=None):
 @pytest.mark.parametrize(("name", "budget"), [("fullkv", "full"), ("snapkv", "256"), ("snapkv", "0.5"),
                                               ("streamingllm", "256"), ("h2o", "256"), ("d2o", "128"),
                                               ("quest", "256"), ("dynamickv", "256"), ("kvmerger", "256"),
-                                              ("adakv", "256")])
+                                              ("adakv", "256"), ("cam", "0.5"), ("cam", "256")])
 def test_a_jobs_samples_replay_one_graph_over_one_buffer(toy_llama, name, budget):
     eager, _ = _job(toy_llama, name, budget, False)
     captured, graphs = _job(toy_llama, name, budget, "eager", job_lengths=(max(LENGTHS), NEW))

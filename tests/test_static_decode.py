@@ -343,12 +343,12 @@ def test_static_d2o_leaves_the_cache_of_the_default_path(toy_llama, fields):
             torch.testing.assert_close(b[4][key], a[4][key], rtol=0, atol=1e-6, equal_nan=True)
 
 
-@pytest.mark.parametrize("budget", [64, 300])
+@pytest.mark.parametrize("budget", [64, 65, 300])
 def test_static_cam_merges_into_the_values_of_the_default_path(toy_llama, budget, monkeypatch):
     """CaM's paper reading merges the token leaving the window into the next r values at every step, with a draw per
     token: after 40 steps every layer holds the same entries (positions), the same merged values and the same
     accumulated scores as the default path's; some draws merged and some did not, and the draws decide.
-    Budget 300: a 200-token prompt that fits (the capacity is the prompt's length: the scores are its column sums,
+    Budget 65: an odd capacity (33 start tokens, 32 recent: s = ceil(C / 2)). Budget 300: a 200-token prompt that fits (the capacity is the prompt's length: the scores are its column sums,
     and the merging starts at the first step)."""
     from kvbench.methods import cam
 

@@ -187,9 +187,8 @@ class CaM(Method):
 
         if self.variant == "prefill_only":
             return StaticPolicy()
-        s, r = self.split(capacity)
         return StaticPolicy(evict=static_merge, needs_probs=True, state=("cam_acc",),
-                            params=(s, r, layer_key(self.seed, layer_idx)))
+                            params=(self.start_share, layer_key(self.seed, layer_idx)))
 
     def decode(self, layer: KVLayer, ctx: DecodeContext) -> None:
         if self.variant != "paper" or ctx.probs is None:
@@ -214,20 +213,27 @@ def static_merge(slots, probs: torch.Tensor, policy) -> None:
     entry after the ``s`` start tokens in position order (the oldest recent one) leaves: merged with probability
     ``p = S_x / max S`` (the draw of :func:`decode_uniforms` for its position) into the ``r`` entries after it, then
     its slot freed; then the step's group-mean probabilities are added to ``S`` (``state["cam_acc"]``). The same
-    arithmetic as the host-driven step, so the values merged and the scores are the same bits."""
-    s, r, key = policy.params
+    arithmetic as the host-driven step (its division by ``r`` in float32), with ``s`` and ``r`` computed from each
+    row's capacity on the device: a job whose capacities differ (a ratio budget, prompts within the budget) replays
+    one graph."""
+    share, key = policy.params
     valid, positions, values = slots.valid, slots.positions, slots.values
     acc = slots.state["cam_acc"]
-    over = valid.sum(-1) > slots.capacity.view(-1, 1)  # (B, H): the step's token made one too many
+    capacity = slots.capacity.view(-1, 1)  # (B, 1): s and r follow it on the device (a graph for every capacity)
+    s = torch.minimum(torch.ceil(capacity.double() * share).long(), capacity - 1)  # CaM.split, in float64 as Python
+    r = capacity - s
+    over = valid.sum(-1) > capacity  # (B, H): the step's token made one too many
     ordered = positions.masked_fill(~valid, torch.iinfo(positions.dtype).max)
-    leaving_pos, leaving = torch.kthvalue(ordered, s + 1, dim=-1)  # (B, H): the (s+1)-th oldest entry
-    leaving = leaving.unsqueeze(-1)
+    leaving = torch.gather(torch.argsort(ordered, dim=-1), -1, s.expand(-1, ordered.shape[1]).unsqueeze(-1))
+    leaving_pos = torch.gather(ordered, -1, leaving).squeeze(-1)  # (B, H): the (s+1)-th oldest entry's position
     held = acc.masked_fill(~valid, 0.0)
     p = torch.gather(acc, -1, leaving).squeeze(-1) / held.amax(-1)
     p = torch.nan_to_num(p, nan=0.0, posinf=1.0).clamp(0.0, 1.0)
     m = (decode_uniforms(key, leaving_pos) < p).to(values.dtype)
     source = torch.gather(values, 2, leaving.unsqueeze(-1).expand(-1, -1, 1, values.shape[-1]))  # (B, H, 1, D)
     targets = valid & (positions > leaving_pos.unsqueeze(-1)) & over.unsqueeze(-1)
-    values.copy_(torch.where(targets.unsqueeze(-1), values + source * m.view(*m.shape, 1, 1) / r, values))
+    # / r as the host-driven step's division by a Python int: in float32, rounded to the values' dtype
+    merged = ((source * m.view(*m.shape, 1, 1)).float() / r.view(-1, 1, 1, 1).float()).to(values.dtype)
+    values.copy_(torch.where(targets.unsqueeze(-1), values + merged, values))
     valid.scatter_(-1, leaving, torch.gather(valid, -1, leaving) & ~over.unsqueeze(-1))
     acc.add_(probs.mean(2).sum(2))
