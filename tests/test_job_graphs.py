@@ -11,9 +11,10 @@ the most any of them needs rounded up to 64, where each sample was a graph of it
 method whose entry counts per layer or head follow the prompt's content (``Method.capacities_from_content``:
 DynamicKV, KVMerger, AdaKV: which layers exceed the budget's mean, or turn ragged, changed per sample). H2O's recent
 window, Quest's page budget and CaM's start and recent counts follow each row's capacity in the step (a prompt under
-the budget, or a ratio budget, made them graph constants of its own: CaM compiled a graph per sample), and Quest's layers, which keep every entry, take the job's longest prompt. Pinned as counts
-and addresses; the tokens, the final resident bytes and the resident curve stay the host-driven path's (the slots a
-short prompt's layers take for the job's longest are layout, not memory the method keeps).
+the budget, or a ratio budget, made them graph constants of its own: CaM compiled a graph per sample), and Quest's
+layers, which keep every entry, take the job's longest prompt. Pinned as counts and addresses; the tokens, the final
+resident bytes and the resident curve stay the host-driven path's (the slots a short prompt's layers take for the
+job's longest are layout, not memory the method keeps).
 """
 
 from __future__ import annotations

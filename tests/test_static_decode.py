@@ -348,8 +348,9 @@ def test_static_cam_merges_into_the_values_of_the_default_path(toy_llama, budget
     """CaM's paper reading merges the token leaving the window into the next r values at every step, with a draw per
     token: after 40 steps every layer holds the same entries (positions), the same merged values and the same
     accumulated scores as the default path's; some draws merged and some did not, and the draws decide.
-    Budget 65: an odd capacity (33 start tokens, 32 recent: s = ceil(C / 2)). Budget 300: a 200-token prompt that fits (the capacity is the prompt's length: the scores are its column sums,
-    and the merging starts at the first step)."""
+    Budget 65: an odd capacity (33 start tokens, 32 recent: s = ceil(C / 2)). Budget 300: a 200-token prompt that
+    fits (the capacity is the prompt's length: the scores are its column sums, and the merging starts at the first
+    step)."""
     from kvbench.methods import cam
 
     merges = []
