@@ -93,6 +93,22 @@ def test_a_content_methods_slots_only_grow_within_a_job(toy_llama):
     assert [r[:3] for r in runs["eager"]] == [r[:3] for r in runs[False]]
 
 
+@pytest.mark.parametrize("name", ["pyramidkv", "d2o"])
+def test_a_ratio_budgets_layer_allocation_only_grows_within_a_job(toy_llama, name):
+    """A ratio budget sizes PyramidKV's layers per prompt, each layer its own count around the mean: the layers share
+    one count that only grows within the job (the most any layer needs, rounded up), where each sample's counts were a
+    graph of their own (462, 1024, 462, 768 slots for the job's four samples, 3 graphs). D2O's allocation follows the
+    content (``capacities_from_content``) and shared one already. The tokens and each sample's memory stay the
+    host-driven path's."""
+    eager, _ = _job(toy_llama, name, "0.5", False)
+    captured, graphs = _job(toy_llama, name, "0.5", "eager", job_lengths=(max(LENGTHS), NEW))
+    assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
+    assert [m for _, _, m in captured] == [m for _, _, m in eager]
+    counts = [slots for _, (slots, _), _ in captured]
+    assert counts == sorted(counts) and len(set(counts)) <= 2, counts  # grows once: at the longest prompt (second)
+    assert graphs <= 2
+
+
 def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):
     from kvbench.engine import graph
 

@@ -416,7 +416,11 @@ class CompressionSession:
         # capacities_from_content``: DynamicKV's votes, KVMerger's merges, AdaKV's heads) does the same over every
         # layer it acts on, its layers of heads of their own lengths included: which layers exceed the budget's mean,
         # and which become ragged, change from sample to sample (DynamicKV: a graph per sample of a job)
+        # A ratio budget that the method allocates per layer does the same: each sample's per-layer counts (PyramidKV's
+        # and D2O's above the mean) were a slot count and a graph of their own
         content = self.job_lengths is not None and self.method.capacities_from_content
+        if self.job_lengths is not None and self.budget.kind == "ratio" and not content:
+            content = len({(max(caps), held) for idx, _, caps, held, *_ in plans if idx in self._method_index}) > 1
         sharing = {idx: (held + extra, max(caps)) for idx, policy, caps, held, extra, _, differs in plans
                    if (policy.evict is not None or content) and not differs and idx in self._method_index
                    and not self.layer_specs[idx].sliding}
