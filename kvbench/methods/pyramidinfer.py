@@ -185,6 +185,13 @@ class PyramidInfer(Method):
                             params=(window, self.gen_chunk, keep, self.distance_weight),
                             entries=partial(generated_entries, window, self.gen_chunk, keep, frozen))
 
+    def graph_per_prompt(self, budget: Budget) -> str | None:
+        if self.allocation == "paper":
+            return "allocation=paper sizes its recent window W, a shape of its step, from each prompt's length"
+        if budget.kind == "ratio":
+            return f"budget={budget.label()} sizes its recent window W, a shape of its step, per prompt"
+        return None
+
     def static_state(self, layer: KVLayer, layer_idx: int, slots: int):
         """The layer's last-W attention rows ``(1, Hkv, entries, W)`` (the same in every head) and frozen count."""
         rows = self._rows[layer_idx]  # (W, entries), oldest query first
