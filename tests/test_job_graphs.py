@@ -109,6 +109,21 @@ def test_a_ratio_budgets_layer_allocation_only_grows_within_a_job(toy_llama, nam
     assert graphs <= 2
 
 
+def test_a_prompt_within_the_budget_replays_the_jobs_grown_count(toy_llama):
+    """PyramidKV at budget 256: a 900-token prompt's layers hold 503, 267 and 31 entries (one count for them: 512
+    slots); a 130-token prompt after it, whose layers hold it whole, replays those 512 slots instead of taking the
+    job's own count (268: a second graph). The first sample (300 tokens: every layer 267) came before any pyramid."""
+    b = Budget.parse("256")
+    method = build_method({"name": "pyramidkv"}, b)
+    release_slot_pool(toy_llama)
+    counts = []
+    for seed, n in enumerate(LENGTHS):
+        with CompressionSession(toy_llama, method, b, compile="eager", job_lengths=(max(LENGTHS), NEW)) as session:
+            greedy_generate(toy_llama, [_prompt(n, seed)], NEW, [], 0)
+        counts.append({session._layers[i].keys.shape[2] for i in session._layers})
+    assert counts == [{268}, {512}, {512}, {512}]
+
+
 def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):
     from kvbench.engine import graph
 

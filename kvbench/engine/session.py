@@ -416,11 +416,14 @@ class CompressionSession:
         # capacities_from_content``: DynamicKV's votes, KVMerger's merges, AdaKV's heads) does the same over every
         # layer it acts on, its layers of heads of their own lengths included: which layers exceed the budget's mean,
         # and which become ragged, change from sample to sample (DynamicKV: a graph per sample of a job)
-        # A ratio budget that the method allocates per layer does the same: each sample's per-layer counts (PyramidKV's
-        # and D2O's above the mean) were a slot count and a graph of their own
-        content = self.job_lengths is not None and self.method.capacities_from_content
-        if self.job_lengths is not None and self.budget.kind == "ratio" and not content:
-            content = len({(max(caps), held) for idx, _, caps, held, *_ in plans if idx in self._method_index}) > 1
+        # So does a method whose layers hold different counts in this sample (PyramidKV's pyramid: under a ratio budget
+        # each sample's counts were a slot count and a graph of their own), or did in an earlier sample of the job (a
+        # prompt within the budget, whose layers hold it whole, took the job's count, a second graph, where it now
+        # replays the job's grown one)
+        mark = ("content", self.method.name, self.budget, rows)
+        content = self.job_lengths is not None and (
+            self.method.capacities_from_content or mark in pool.marks
+            or len({(max(caps), held) for idx, _, caps, held, *_ in plans if idx in self._method_index}) > 1)
         sharing = {idx: (held + extra, max(caps)) for idx, policy, caps, held, extra, _, differs in plans
                    if (policy.evict is not None or content) and not differs and idx in self._method_index
                    and not self.layer_specs[idx].sliding}
@@ -430,7 +433,6 @@ class CompressionSession:
             shared += -shared % GROW_ROUND
             if content:  # never fewer than this method's layers have had for this budget and bucket: a sample whose
                 # allocation needs less than an earlier one's replays that graph (it only grows, a few times a job)
-                mark = ("content", self.method.name, self.budget, rows)
                 shared = pool.marks[mark] = max(shared, pool.marks.get(mark, 0))
             if content and needs:
                 shared = slots = max(shared, slots)
