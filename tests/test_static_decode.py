@@ -220,6 +220,8 @@ def test_the_captured_step_writes_static_addresses_only(toy_llama, method):
         greedy_generate(toy_llama, [_prompt()], 41, [], 0)
         layers = [session._layers[i] for i in sorted(session._layers)]
         token_logp = session._token_logp  # SirLLM's surprisal of the step's token, which the step writes
+        if token_logp is not None:  # the layers read the step's own buffer, the same object (no aliasing inputs)
+            assert any(t is token_logp for t, _ in marked.values())
     buffers = [t for layer in layers for t in layer.buffers()] + ([] if token_logp is None else [token_logp])
     assert (token_logp is not None) == (method == "sirllm")
     assert buffers and len(marked) >= len(buffers) + 4

@@ -625,8 +625,9 @@ class CompressionSession:
                 self._static[idx] = (self._static[idx][0], base[:rows])
             elif kind == "shared":
                 self._shared[idx] = base[:rows]
-            elif kind == "token_logp":
-                self._token_logp = base[:rows]
+            elif kind == "token_logp":  # the whole buffer is the step's own (StepBuffers.token_logp): the same
+                # object, so the captured graph sees one input, not two aliasing ones
+                self._token_logp = base if rows == base.shape[0] else base[:rows]
             else:
                 self._chosen[idx] = base[:rows]
 
