@@ -39,11 +39,11 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _job(model, name: str, budget: str, compile, job_lengths=None):
+def _job(model, name: str, budget: str, compile, job_lengths=None, fields=None):
     """Every prompt of the job in a session of its own, as the job runner runs them: per sample, its tokens, its
     first layer's slot count and that buffer's address; and the graphs dynamo compiled meanwhile."""
     b = Budget.parse(budget)
-    method = build_method({"name": name}, b)
+    method = build_method({"name": name, **(fields or {})}, b)
     release_slot_pool(model)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     out = []
@@ -59,7 +59,8 @@ def _job(model, name: str, budget: str, compile, job_lengths=None):
 @pytest.mark.parametrize(("name", "budget"), [("fullkv", "full"), ("snapkv", "256"), ("snapkv", "0.5"),
                                               ("streamingllm", "256"), ("h2o", "256"), ("d2o", "128"),
                                               ("quest", "256"), ("dynamickv", "256"), ("kvmerger", "256"),
-                                              ("adakv", "256"), ("cam", "0.5"), ("cam", "256")])
+                                              ("adakv", "256"), ("cam", "0.5"), ("cam", "256"),
+                                              ("pyramidinfer", "0.5"), ("pyramidinfer", "256")])
 def test_a_jobs_samples_replay_one_graph_over_one_buffer(toy_llama, name, budget):
     eager, _ = _job(toy_llama, name, budget, False)
     captured, graphs = _job(toy_llama, name, budget, "eager", job_lengths=(max(LENGTHS), NEW))
@@ -122,6 +123,18 @@ def test_a_prompt_within_the_budget_replays_the_jobs_grown_count(toy_llama):
             greedy_generate(toy_llama, [_prompt(n, seed)], NEW, [], 0)
         counts.append({session._layers[i].keys.shape[2] for i in session._layers})
     assert counts == [{268}, {512}, {512}, {512}]
+
+
+def test_pyramidinfers_paper_allocation_replays_one_graph(toy_llama):
+    """PyramidInfer's ``allocation=paper`` sizes its recent window from each prompt (W = 1 + int(0.2 n): 61, 181, 27,
+    123 here): W is a device value of its captured step, not a shape (a graph per sample before), so the job's
+    samples replay one graph, as the host-driven path decodes them."""
+    fields = {"allocation": "paper"}
+    eager, _ = _job(toy_llama, "pyramidinfer", "256", False, fields=fields)
+    captured, graphs = _job(toy_llama, "pyramidinfer", "256", "eager", job_lengths=(max(LENGTHS), NEW), fields=fields)
+    assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
+    assert [m for _, _, m in captured] == [m for _, _, m in eager]
+    assert graphs <= 1
 
 
 def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):

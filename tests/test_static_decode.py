@@ -409,12 +409,26 @@ def test_static_pyramidinfer_keeps_the_chunks_the_default_path_keeps(toy_llama, 
         assert torch.equal(layer.positions[0, 0, order], host.positions[0, 0])
         assert bool((layer.valid[0, 0] == layer.valid[0, 1]).all())
         assert layer.entries == host.num_entries  # the schedule's count, no read
-        mine = layer.state["pyramidinfer_rows"][0, 0, order].t()  # (W, entries)
+        window = rows[idx].shape[0]
+        assert int(layer.row_state["pyramidinfer_window"]) == window
+        mine = layer.state["pyramidinfer_rows"][0, 0, order, -window:].t()  # (W, entries): the window's columns
         torch.testing.assert_close(mine, rows[idx], rtol=0, atol=1e-6)
         assert int(layer.row_state["pyramidinfer_frozen"]) == frozen[idx]
     assert all(frozen[i] > 0 for i in frozen)
     # the chunks were compressed: each layer's frozen count grew past what it held after prefill (64 on average)
     assert sum(frozen.values()) > 3 * 64
+
+
+def test_pyramidinfer_window_weights_are_linspaces():
+    """The captured step's weights for a device window W are ``torch.linspace(1, distance_weight, W)``'s values
+    exactly, in the last W of the rows' columns, zero before them."""
+    from kvbench.methods.pyramidinfer import window_weights
+
+    for weight in (1.2, 3.0, 0.7, 1.0):
+        for window in range(1, 300):
+            w = window_weights(torch.tensor([[[window]]]), window + 3, weight)[0, 0, 0]
+            assert torch.equal(w[3:], torch.linspace(1.0, weight, window)), (weight, window)
+            assert not bool(w[:3].any())
 
 
 def test_pyramidinfer_schedule_in_closed_form_is_its_step_loop():

@@ -323,8 +323,6 @@ def _no_graph(cfg: DictConfig, method: Any, budget: Budget, task: Any, spec: Any
             return f"method {method.name!r} compresses during decode (decode_compression) and {refusal}"
     if not budget.is_full and not method.has_static_step():
         return f"method {method.name!r} has no captured decode step ({method.static_refusal()})"
-    if not budget.is_full and method.graph_per_prompt(budget) is not None:
-        return f"method {method.name!r}'s captured step would compile per sample ({method.graph_per_prompt(budget)})"
     if not budget.is_full:
         return _sliding_refusal(cfg, spec)
     return None

@@ -163,12 +163,6 @@ class Method:
         """Whether this method decodes as the captured step at any capacity (``static_policy`` is not None)."""
         return self.static_policy(1 << 30) is not None
 
-    def graph_per_prompt(self, budget: Budget) -> str | None:
-        """Why this method's captured step, under ``budget``, has a shape that each prompt sets (a graph compiled
-        per sample of a job: on a GPU about a minute each for an 8B model, more than the host-driven path costs), or
-        None (default): ``engine.decode=auto`` then decodes on the host-driven path, saying why in one line."""
-        return None
-
     def static_refusal(self) -> str:
         """Why ``static_policy`` is None: one line naming what the method does per step that the captured step cannot
         (``engine.decode=graph``'s refusal, ``auto``'s log line and the generated table in docs/efficiency.md). Every

@@ -83,24 +83,40 @@ def generated_entries(window: int, chunk: int, keep: int, frozen: int, held: int
     return held + steps - compressions * (chunk - keep)
 
 
+def window_weights(window: torch.Tensor, width: int, distance_weight: float) -> torch.Tensor:
+    """``torch.linspace(1, distance_weight, W)`` in the last ``W`` of ``width`` columns, zero before them, for a
+    device ``window`` W ``(B, 1, 1)``: linspace's own arithmetic (a float32 step; from the start below half, from the
+    end above, each product and sum rounded once, as its fused multiply-add: here in float64, then float32), so the
+    captured step weighs each query row as ``PyramidInfer._scores`` does. ``(B, 1, 1, width)`` float32."""
+    i = (torch.arange(width, device=window.device) - (width - window)).unsqueeze(-2)  # (B, 1, 1, width)
+    w = window.unsqueeze(-1)
+    end = torch.full((), distance_weight, dtype=torch.float32, device=window.device)
+    step = ((end - 1.0) / (w - 1).clamp(min=1).float()).double()
+    weights = torch.where(i < w // 2, 1.0 + step * i.double(), end.double() - step * (w - 1 - i).double()).float()
+    return torch.where(i >= 0, torch.where(w > 1, weights, 1.0), 0.0)
+
+
 def static_decode(slots, probs: torch.Tensor, policy) -> None:
     """``PyramidInfer.decode`` over a static layer's slots (batch 1, the same entries in every head): the step's
-    head-mean attention row joins the last W rows (``slots.state["pyramidinfer_rows"]`` ``(B, Hkv, C, W)``, oldest
-    first; a new entry's earlier rows are zero) and, where ``gen_chunk`` entries after the frozen ones have left the
-    window, the chunk (the next ``gen_chunk`` entries by position after the first ``frozen``) keeps its ``keep``
-    entries of highest distance-weighted mean attention and frees the others; ``frozen`` grows by ``keep``."""
-    window, chunk, keep, distance_weight = policy.params
+    head-mean attention row joins the last rows (``slots.state["pyramidinfer_rows"]`` ``(B, Hkv, C, R)``, oldest
+    first, the window's W in the last columns; a new entry's earlier rows are zero) and, where ``gen_chunk`` entries
+    after the frozen ones have left the window, the chunk (the next ``gen_chunk`` entries by position after the first
+    ``frozen``) keeps its ``keep`` entries of highest distance-weighted mean attention over the W rows and frees the
+    others; ``frozen`` grows by ``keep``. W (``row_state["pyramidinfer_window"]``) is a device value: the prompt sets
+    it (allocation=paper, ratio budgets) and the job's samples replay one graph."""
+    chunk, keep, distance_weight = policy.params
     rows, valid = slots.state["pyramidinfer_rows"], slots.valid
     frozen = slots.row_state["pyramidinfer_frozen"]  # (B, 1, 1)
-    b, h, c, _ = rows.shape
+    window = slots.row_state["pyramidinfer_window"]  # (B, 1, 1)
+    b, h, c, width = rows.shape
     step = probs.mean(dim=(1, 2)).view(b, 1, c, 1).expand(b, h, c, 1)
     rows.copy_(torch.cat([rows[..., 1:], step], dim=-1))
     order = torch.argsort(slots.positions.masked_fill(~valid, torch.iinfo(slots.positions.dtype).max), dim=-1)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c, device=order.device).expand_as(order))
     due = valid.sum(-1, keepdim=True) - window - frozen >= chunk  # (B, H, 1)
     in_chunk = valid & (rank >= frozen) & (rank < frozen + chunk)
-    weights = torch.linspace(1.0, distance_weight, window, device=rows.device)
-    scores = (rows * weights).mean(-1).masked_fill(~in_chunk, float("-inf"))
+    weighted = (rows * window_weights(window, width, distance_weight)).sum(-1) / window.float()
+    scores = weighted.masked_fill(~in_chunk, float("-inf"))
     kept = torch.zeros_like(valid).scatter_(-1, torch.topk(scores, keep, dim=-1).indices, True)
     valid.logical_and_(~(in_chunk & ~kept & due))
     frozen.add_(due[:, :1] * keep)
@@ -182,23 +198,21 @@ class PyramidInfer(Method):
         keep = self._gen_keep(layer_idx, len(contexts))
         frozen = self._frozen.get(layer_idx, 0)
         return StaticPolicy(evict=static_decode, needs_probs=True, state=("pyramidinfer_rows",),
-                            params=(window, self.gen_chunk, keep, self.distance_weight),
+                            params=(self.gen_chunk, keep, self.distance_weight),
                             entries=partial(generated_entries, window, self.gen_chunk, keep, frozen))
 
-    def graph_per_prompt(self, budget: Budget) -> str | None:
-        if self.allocation == "paper":
-            return "allocation=paper sizes its recent window W, a shape of its step, from each prompt's length"
-        if budget.kind == "ratio":
-            return f"budget={budget.label()} sizes its recent window W, a shape of its step, per prompt"
-        return None
-
     def static_state(self, layer: KVLayer, layer_idx: int, slots: int):
-        """The layer's last-W attention rows ``(1, Hkv, entries, W)`` (the same in every head) and frozen count."""
+        """The layer's last-W attention rows in the last W of ``R = max(W, 1 + int(recent_ratio slots))`` columns
+        ``(1, Hkv, entries, R)`` (the same in every head; R follows the slots, which a job shares, not the prompt's
+        W), W itself and the frozen count."""
         rows = self._rows[layer_idx]  # (W, entries), oldest query first
-        h = layer.values.shape[1]
-        per_entry = rows.t().reshape(1, 1, *rows.t().shape).expand(1, h, -1, -1)
+        window, n = rows.shape
+        width = max(window, 1 + int(self.recent_ratio * slots))
+        per_entry = torch.zeros(1, layer.values.shape[1], n, width, device=rows.device)
+        per_entry[..., width - window :] = rows.t()
         frozen = torch.full((1, 1, 1), self._frozen[layer_idx], dtype=torch.long, device=rows.device)
-        return {"pyramidinfer_rows": per_entry}, {"pyramidinfer_frozen": frozen}
+        w = torch.full((1, 1, 1), window, dtype=torch.long, device=rows.device)
+        return {"pyramidinfer_rows": per_entry}, {"pyramidinfer_frozen": frozen, "pyramidinfer_window": w}
 
     def window(self, budget: int) -> int:
         return 1 + int(self.recent_ratio * budget)
