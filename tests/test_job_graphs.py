@@ -137,6 +137,21 @@ def test_pyramidinfers_paper_allocation_replays_one_graph(toy_llama):
     assert graphs <= 1
 
 
+@pytest.mark.parametrize(("budget", "selector"), [("64", "last"), ("64", "exp"), ("0.8", "softmax_before_last"),
+                                                  ("0.8", "uniform")])
+def test_omnikvs_selection_of_every_prompt_replays_one_graph(toy_llama, budget, selector):
+    """OmniKV's captured step selects among the prompt's slots by a device prompt length and k (``omnikv_sizes``) in
+    a selection as wide as the slots: a job's prompts of four lengths replay one graph (a graph per sample before:
+    the prompt's length was the selection's width and a constant of the step, and a ratio budget's k too), and
+    decode as the host-driven path does."""
+    fields = {"filter_layers": [0], "selector": selector}
+    eager, _ = _job(toy_llama, "omnikv", budget, False, fields=fields)
+    captured, graphs = _job(toy_llama, "omnikv", budget, "eager", job_lengths=(max(LENGTHS), NEW), fields=fields)
+    assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
+    assert [m for _, _, m in captured] == [m for _, _, m in eager]
+    assert len({slots for _, slots, _ in captured}) == 1 and graphs <= 1
+
+
 def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):
     from kvbench.engine import graph
 

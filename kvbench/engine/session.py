@@ -455,6 +455,7 @@ class CompressionSession:
                 self._captured_layer(compression, idx, layer, static, rows, pool)
             if policy.choose is not None:  # a selection later layers attend through (OmniKV's filter layer)
                 source, width = policy.selection
+                width = static.values.shape[2] if width is None else width  # None: as wide as the layer's slots
                 chosen = pool.take(("chosen", source), (rows, 1, width), torch.bool, device)
                 self._chosen[source] = self._row_base(("chosen", source), chosen.zero_(), b)
             if policy.shared is not None:  # logits the layers naming the buffer write and read (POD's distant ones)

@@ -88,7 +88,8 @@ class StaticPolicy:
       them so (a vector per entry, zero for a new entry: PyramidInfer's attention from each of the last W queries);
     * ``params``: the method's constants its functions read (its sinks, recent window, page sizes, merge settings);
     * ``slot_multiple``: the layer's slot count a multiple of this (Quest's pages);
-    * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads;
+    * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads (width
+      None: the writer's slot count);
     * ``key_window``: ``(sinks, recent)``: the layer keeps keys for its first ``sinks`` entries and its last
       ``recent`` only (values for every entry: POD's layers that use only other layers' distant logits), in a ring of
       ``sinks + recent`` key slots (entry ``j``'s key in slot ``j`` below ``sinks``, else ``sinks + (j - sinks) %
@@ -122,7 +123,7 @@ class StaticPolicy:
     needs_probs: bool = False
     params: tuple = ()
     slot_multiple: int = 1
-    selection: tuple[int, int] | None = None
+    selection: tuple[int, int | None] | None = None
     shared: str | None = None
     key_window: tuple[int, int] | None = None
     entries: Callable[[int, int], int] | None = None

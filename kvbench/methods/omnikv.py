@@ -224,8 +224,9 @@ class OmniKV(Method):
         """``engine.compile`` (every selector, no offload): the filter layer's step writes its top-k prompt slots into a
         selection its segment's sparse layers attend through (with every generated token); nothing is evicted, so
         slots stay in position order. The window selectors slide a fixed window of ``window`` rows in ``row_state``
-        (``omnikv_select.window_choice``: the window's prompt rows a tensor, the forced tokens first of a fixed
-        top-k). Before the first prefill (the session's check) the layer roles are not known yet: a plain policy."""
+        (``omnikv_select.window_choice``: the window's prompt rows a tensor, the forced tokens first). The prompt's
+        length and k are device values (``static_state``). Before the first prefill (the session's check) the layer
+        roles are not known yet: a plain policy."""
         from kvbench.engine.static import StaticPolicy
 
         if self.offload != "off":
@@ -233,11 +234,18 @@ class OmniKV(Method):
         n, num_layers = self._prefill_len, self._num_layers
         if not num_layers or self.selected_tokens(n, num_layers) >= n:
             return StaticPolicy()  # every layer attends densely (the default path's ``_choose`` gives None)
-        if layer_idx in self.filters(num_layers):
-            return StaticPolicy(choose=static_choice, selection=(layer_idx, n),
-                                params=(n, self.selected_tokens(n, num_layers), self.selector, self.window_reading))
+        if layer_idx in self.filters(num_layers):  # (the selection as wide as the layer's slots: selection width None)
+            return StaticPolicy(choose=static_choice, selection=(layer_idx, None),
+                                params=(self.selector, self.window_reading))
         source = self._segment_filter(layer_idx, num_layers)
-        return StaticPolicy() if source is None else StaticPolicy(attend=static_segment, selection=(source, n))
+        return StaticPolicy() if source is None else StaticPolicy(attend=static_segment, selection=(source, None))
+
+    def static_state(self, layer: KVLayer, layer_idx: int, slots: int):
+        """The prompt's length and the tokens a sparse layer attends, ``(B, 2)`` (``omnikv_sizes``): device values of
+        the captured step, which a ratio budget and each prompt's length set, so a job's samples replay one graph."""
+        n, num_layers = self._prefill_len, self._num_layers
+        sizes = torch.tensor([[n, self.selected_tokens(n, num_layers)]], device=layer.keys.device)
+        return {}, {"omnikv_sizes": sizes.expand(layer.keys.shape[0], 2).contiguous()}
 
     def static_refusal(self) -> str:
         return f"offload={self.offload} gathers the selected tokens from a context bank on the host"

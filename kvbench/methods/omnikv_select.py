@@ -60,35 +60,58 @@ def slide_window(recent: torch.Tensor, positions: torch.Tensor, query: torch.Ten
     positions.copy_(torch.cat([positions[:, 1:], position.view(-1, 1)], dim=1))
 
 
-def window_choice(recent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, scaling: float, k: int,
-                  selector: str, window_reading: str, rope_inv_freq: torch.Tensor | None) -> torch.Tensor:
-    """``select_by_window``'s choice as a mask ``(B, n)`` over the prompt, with the window's prompt rows ``p`` a tensor
-    (no host read, fixed shapes: ``engine.compile``): the columns the official reading leaves out of the softmax are
-    masked instead of cut, and its ``max(1, k - p) + p`` tokens are the first of a fixed ``topk`` with the forced ones
-    at +inf. Empty window rows (position -1) weigh nothing, and ``exp``'s weights count from the newest row, as the
-    default path's shorter window does."""
+def _ranked(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """A mask ``(B, n)`` of the ``k`` ``(B, 1)`` highest ``scores`` (a device count: a sort and each entry's rank, no
+    ``topk`` of a constant k)."""
+    order = torch.sort(scores, dim=-1, descending=True).indices
+    ranks = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ranks) < k
+
+
+def last_query_choice(query: torch.Tensor, keys: torch.Tensor, prompt: torch.Tensor, scaling: float, k: torch.Tensor,
+                      softmax: bool) -> torch.Tensor:
+    """``select_by_last_query``'s choice as a mask ``(B, C)`` over slots whose first ``prompt`` ``(B, 1)`` hold the
+    prompt (a device count: a job's prompts replay one graph), of a device ``k`` ``(B, 1)``."""
+    logits = _logits(query[..., -1:, :], keys, scaling)[..., 0, :]  # (B, Hkv, g, C)
+    inside = torch.arange(keys.shape[2], device=keys.device).view(1, -1) < prompt  # (B, C)
+    logits = logits.masked_fill(~inside.view(inside.shape[0], 1, 1, -1), float("-inf"))
+    scores = (torch.softmax(logits, dim=-1) if softmax else logits).amax(dim=(1, 2))
+    return _ranked(scores.masked_fill(~inside, float("-inf")), k) & inside
+
+
+def window_choice(recent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, prompt: torch.Tensor,
+                  scaling: float, k: torch.Tensor, selector: str, window_reading: str,
+                  rope_inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """``select_by_window``'s choice as a mask ``(B, C)`` over slots whose first ``prompt`` ``(B, 1)`` hold the prompt,
+    with the window's prompt rows ``p`` a tensor (no host read, fixed shapes: ``engine.compile``; the prompt's length
+    and ``k`` ``(B, 1)`` device values, so a job's prompts replay one graph): the columns the official reading leaves
+    out of the softmax are masked instead of cut, and its ``max(1, k - p) + p`` tokens are the best by a sort with the
+    forced ones at +inf. Empty window rows (position -1) weigh nothing, and ``exp``'s weights count from the newest row,
+    as the default path's shorter window does."""
     b, hq, w, _ = recent.shape
-    n = keys.shape[2]
+    c = keys.shape[2]
     held = positions >= 0
     weights = torch.ones(w, device=recent.device)
     if selector == "exp":
         weights = 2.0 ** (torch.arange(w, device=recent.device) - (w - 1)).float()
     weights = (weights.view(1, w) * held).unsqueeze(-1)  # (B, w, 1)
-    prompt_rows = (held & (positions < n)).sum(-1, keepdim=True)  # (B, 1)
-    forced = torch.arange(n, device=keys.device).view(1, n) >= n - prompt_rows  # (B, n)
+    column = torch.arange(c, device=keys.device).view(1, c)
+    inside = column < prompt  # (B, C): the prompt's slots
+    prompt_rows = (held & (positions < prompt)).sum(-1, keepdim=True)  # (B, 1)
+    forced = inside & (column >= prompt - prompt_rows)  # (B, C)
+    outside = ~inside.view(b, 1, 1, 1, c)
     if window_reading == "paper":
-        probs = torch.softmax(_logits(recent, keys, scaling), dim=-1).amax(dim=(1, 2))  # (B, w, n)
-        scores = (probs * weights).sum(1).masked_fill(forced, float("inf"))
-        return torch.zeros_like(forced).scatter(-1, torch.topk(scores, k, dim=-1).indices, True)
+        logits = _logits(recent, keys, scaling).masked_fill(outside, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).amax(dim=(1, 2))  # (B, w, C)
+        scores = (probs * weights).sum(1).masked_fill(forced, float("inf")).masked_fill(~inside, float("-inf"))
+        return _ranked(scores, k) & inside
     delta = (positions[:, -1:] - positions).float().view(b, 1, w).expand(b, hq, w)
     rotated = rotate_keys(recent.float(), delta, rope_inv_freq.to(recent.device)).to(keys.dtype)
-    logits = _logits(rotated, keys, scaling).masked_fill(forced.view(b, 1, 1, 1, n), float("-inf"))
+    logits = _logits(rotated, keys, scaling).masked_fill(forced.view(b, 1, 1, 1, c) | outside, float("-inf"))
     probs = torch.softmax(logits, dim=-1).amax(dim=(1, 2))
     scores = (probs * weights).sum(1).masked_fill(forced, float("inf"))  # every column forced: NaNs replaced
-    total = torch.clamp(k - prompt_rows, min=1) + prompt_rows  # (B, 1)
-    top = torch.topk(scores, min(n, max(k, w)), dim=-1)  # sorted: the forced first, then the best of the others
-    keep = torch.arange(top.indices.shape[-1], device=keys.device).view(1, -1) < total
-    return torch.zeros_like(forced).scatter(-1, top.indices, keep)
+    total = torch.minimum(torch.clamp(k - prompt_rows, min=1) + prompt_rows, prompt)  # (B, 1)
+    return _ranked(scores.masked_fill(~inside, float("-inf")), total) & inside
 
 
 def _logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -105,29 +128,29 @@ def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def static_choice(slots, policy) -> None:
-    """OmniKV's filter layer on a static layer (``engine.static.StaticPolicy.choose``): the ``top`` of the ``prompt``
-    first slots of ``slots.keys`` ``(B, Hkv, C, D)`` by this step's query (``selector="last"`` /
-    ``softmax_before_last``), or by the window of recent queries in ``slots.row_state`` (``uniform`` / ``exp``),
-    written into ``slots.chosen`` ``(B, 1, prompt)`` in place: the selection its segment's sparse layers attend.
-    ``params``: (prompt, top, selector, window reading)."""
-    prompt, top, selector, window_reading = policy.params
+    """OmniKV's filter layer on a static layer (``engine.static.StaticPolicy.choose``): the ``k`` best of the prompt's
+    slots (the first ``n``; ``slots.row_state["omnikv_sizes"]`` ``(B, 2)``: ``n``, ``k``, device values) by this
+    step's query (``selector="last"`` / ``softmax_before_last``), or by the window of recent queries in
+    ``slots.row_state`` (``uniform`` / ``exp``), written into ``slots.chosen`` ``(B, 1, C)`` in place: the selection
+    its segment's sparse layers attend. ``params``: (selector, window reading)."""
+    selector, window_reading = policy.params
     query, keys, chosen, row_state = slots.query, slots.keys, slots.chosen, slots.row_state
+    sizes = row_state["omnikv_sizes"]
+    prompt, k = sizes[:, :1], sizes[:, 1:]
     if selector in ("uniform", "exp"):
         newest = slots.positions[:, 0].masked_fill(~slots.valid[:, 0], -1).amax(-1)  # (B,): this step's token
         rope = slots.rope_inv_freq if window_reading == "official_code" else None
         slide_window(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], query, newest)
-        chosen.copy_(window_choice(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], keys[:, :, :prompt],
-                                   slots.scaling, top, selector, window_reading, rope).unsqueeze(1))
+        chosen.copy_(window_choice(row_state["omnikv_window_q"], row_state["omnikv_window_pos"], keys, prompt,
+                                   slots.scaling, k, selector, window_reading, rope).unsqueeze(1))
     else:
-        index = select_by_last_query(query, keys[:, :, :prompt], slots.scaling, top, softmax=selector != "last")
-        chosen.copy_(torch.zeros_like(chosen).scatter_(-1, index.unsqueeze(1), True))
+        chosen.copy_(last_query_choice(query, keys, prompt, slots.scaling, k, softmax=selector != "last").unsqueeze(1))
 
 
 def static_segment(slots, policy) -> torch.Tensor:
     """A sparse layer of OmniKV's segment on a static layer (``engine.static.StaticPolicy.attend``): the valid slots
-    among its filter layer's choice of prompt slots (``slots.chosen`` ``(B, 1, prompt)``) and every slot after the
-    prompt."""
+    among its filter layer's choice of prompt slots (``slots.chosen`` ``(B, 1, C)``) and every slot after the prompt's
+    ``n`` (``slots.row_state["omnikv_sizes"]``)."""
     b, _, c = slots.valid.shape
-    prompt = slots.chosen.shape[-1]
-    after = torch.ones(b, 1, c - prompt, dtype=torch.bool, device=slots.valid.device)
-    return slots.valid & torch.cat([slots.chosen, after], dim=-1)
+    after = torch.arange(c, device=slots.valid.device).view(1, 1, c) >= slots.row_state["omnikv_sizes"][:, :1, None]
+    return slots.valid & (slots.chosen | after)
