@@ -85,7 +85,8 @@ class StaticPolicy:
     * ``state``: names of per-entry statistics the method's functions read and write themselves (``slots.state``:
       float32 ``(B, Hkv, C)`` each, the layer's ``state`` entries of those names at prefill, zero for a new entry;
       RoCo's attention sums, squares and counts), or ``(B, Hkv, C, k)`` where the method's ``static_state`` starts
-      them so (a vector per entry, zero for a new entry: PyramidInfer's attention from each of the last W queries);
+      them so (a vector per entry, zero for a new entry), or with one head for a method whose heads hold the same
+      slots (PyramidInfer's attention from each of the last W queries, ``(B, 1, C, R)``);
     * ``params``: the method's constants its functions read (its sinks, recent window, page sizes, merge settings);
     * ``slot_multiple``: the layer's slot count a multiple of this (Quest's pages);
     * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads (width
@@ -361,11 +362,12 @@ class StaticKVLayer(KVLayer):
         self.positions.scatter_(-1, slot, at)
         self.valid.scatter_(-1, slot, torch.ones_like(slot, dtype=torch.bool))
         for stat in self.state.values():  # a new entry's statistics start at zero
+            at = slot[:, : stat.shape[1]]  # (a state of one head: the heads hold the same slots, PyramidInfer's)
             if stat.dim() == 4:  # a vector per entry (StaticPolicy.state)
-                stat.scatter_(2, slot.unsqueeze(-1).expand(*slot.shape, stat.shape[-1]),
-                              torch.zeros(*slot.shape, stat.shape[-1], dtype=stat.dtype, device=stat.device))
+                stat.scatter_(2, at.unsqueeze(-1).expand(*at.shape, stat.shape[-1]),
+                              torch.zeros(*at.shape, stat.shape[-1], dtype=stat.dtype, device=stat.device))
             else:
-                stat.scatter_(-1, slot, torch.zeros_like(slot, dtype=stat.dtype))
+                stat.scatter_(-1, at, torch.zeros_like(at, dtype=stat.dtype))
         return slot
 
     def show_entries(self, layer: KVLayer, rows: int, fill: int) -> None:

@@ -98,7 +98,7 @@ def window_weights(window: torch.Tensor, width: int, distance_weight: float) -> 
 
 def static_decode(slots, probs: torch.Tensor, policy) -> None:
     """``PyramidInfer.decode`` over a static layer's slots (batch 1, the same entries in every head): the step's
-    head-mean attention row joins the last rows (``slots.state["pyramidinfer_rows"]`` ``(B, Hkv, C, R)``, oldest
+    head-mean attention row joins the last rows (``slots.state["pyramidinfer_rows"]`` ``(B, 1, C, R)``, oldest
     first, the window's W in the last columns; a new entry's earlier rows are zero) and, where ``gen_chunk`` entries
     after the frozen ones have left the window, the chunk (the next ``gen_chunk`` entries by position after the first
     ``frozen``) keeps its ``keep`` entries of highest distance-weighted mean attention over the W rows and frees the
@@ -108,9 +108,8 @@ def static_decode(slots, probs: torch.Tensor, policy) -> None:
     rows, valid = slots.state["pyramidinfer_rows"], slots.valid
     frozen = slots.row_state["pyramidinfer_frozen"]  # (B, 1, 1)
     window = slots.row_state["pyramidinfer_window"]  # (B, 1, 1)
-    b, h, c, width = rows.shape
-    step = probs.mean(dim=(1, 2)).view(b, 1, c, 1).expand(b, h, c, 1)
-    rows.copy_(torch.cat([rows[..., 1:], step], dim=-1))
+    b, _, c, width = rows.shape  # (B, 1, C, R): one head, the heads hold the same slots
+    rows.copy_(torch.cat([rows[..., 1:], probs.mean(dim=(1, 2)).view(b, 1, c, 1)], dim=-1))
     order = torch.argsort(slots.positions.masked_fill(~valid, torch.iinfo(slots.positions.dtype).max), dim=-1)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c, device=order.device).expand_as(order))
     due = valid.sum(-1, keepdim=True) - window - frozen >= chunk  # (B, H, 1)
@@ -203,12 +202,12 @@ class PyramidInfer(Method):
 
     def static_state(self, layer: KVLayer, layer_idx: int, slots: int):
         """The layer's last-W attention rows in the last W of ``R = max(W, 1 + int(recent_ratio slots))`` columns
-        ``(1, Hkv, entries, R)`` (the same in every head; R follows the slots, which a job shares, not the prompt's
-        W), W itself and the frozen count."""
+        ``(1, 1, entries, R)`` (one head: every head holds the same slots; R follows the slots, which a job shares, not
+        the prompt's W), W itself and the frozen count."""
         rows = self._rows[layer_idx]  # (W, entries), oldest query first
         window, n = rows.shape
         width = max(window, 1 + int(self.recent_ratio * slots))
-        per_entry = torch.zeros(1, layer.values.shape[1], n, width, device=rows.device)
+        per_entry = torch.zeros(1, 1, n, width, device=rows.device)  # one head: every head holds the same slots
         per_entry[..., width - window :] = rows.t()
         frozen = torch.full((1, 1, 1), self._frozen[layer_idx], dtype=torch.long, device=rows.device)
         w = torch.full((1, 1, 1), window, dtype=torch.long, device=rows.device)
