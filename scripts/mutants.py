@@ -693,7 +693,7 @@ MUTANTS = [
            "forced = inside & (column >= prompt - prompt_rows)",
            "forced = inside & (column > prompt - prompt_rows)",
            EDGES, "captured choice: the window's oldest prompt token not forced"),
-    Mutant("omnikv-static-keep-count", "omnikv", "kvbench/methods/omnikv_select.py",
+    Mutant("omnikv-static-keep-count", "omnikv", "kvbench/methods/cache_ops.py",
            "return torch.empty_like(order).scatter_(-1, order, ranks) < k",
            "return torch.empty_like(order).scatter_(-1, order, ranks) <= k",
            EDGES, "captured choice: one token more than k (the official reading: max(1, k - p) + p)"),

@@ -190,6 +190,24 @@ def expand_to_query_heads(layer: KVLayer, group: int) -> None:
     layer.state = {k: v.repeat_interleave(group, dim=1) for k, v in layer.state.items()}
 
 
+def position_rank(positions: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots in position order, the valid ones first (``order`` ``(..., C)``), and each slot's index in that order
+    (``rank``: a valid slot's rank among the valid ones by position; an invalid slot's is at least their count): the
+    order of a captured step's slots, which an evicted slot's reuse leaves unordered."""
+    order = torch.argsort(positions.masked_fill(~valid, torch.iinfo(positions.dtype).max), dim=-1)
+    ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return order, torch.empty_like(order).scatter_(-1, order, ranks)
+
+
+def top_k_mask(scores: torch.Tensor, k: torch.Tensor, stable: bool = False) -> torch.Tensor:
+    """A mask of the ``k`` highest ``scores`` along the last dimension, ``k`` a device count broadcasting against
+    ``scores``' leading dimensions (a sort and each entry's rank, no ``topk`` of a constant k); ``stable``: ties to
+    the lower index (else the sort's own order)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=stable).indices
+    ranks = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ranks) < k
+
+
 def real_rank(layer: KVLayer) -> torch.Tensor:
     """Rank of each entry among the valid entries of its (row, head) in position order: ``(B, H, entries)``.
 

@@ -11,6 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvbench.methods.cache_ops import position_rank
+
 #: official_code: softmax(-F) of the code's density (the default); paper_literal: softmax(-F) of the paper's raw
 #: variance; kvbench_zscore: softmax(-z(F)), kvbench's own reading (methods.md A1.7 item 1); the rest: Table 4
 ALLOCATIONS = ("official_code", "paper_literal", "kvbench_zscore", "exponential_decay", "uniform",
@@ -303,9 +305,7 @@ def static_merge_evict(keys: torch.Tensor, values: torch.Tensor, positions: torc
     cleared. Ties go to the lowest position, as on the default path, whose entries are in position order. No host
     read, no data-dependent shape."""
     b, h, c = valid.shape
-    big = torch.iinfo(positions.dtype).max
-    order = torch.argsort(positions.masked_fill(~valid, big), dim=-1)  # valid slots first, by position
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c, device=order.device).expand(b, h, c))
+    _, rank = position_rank(positions, valid)  # valid slots first, by position
     counts = valid.sum(-1, keepdim=True)
     sinks, recent = row_state["d2o_sinks"].view(-1, 1, 1), row_state["d2o_recent"].view(-1, 1, 1)
     protect = (rank < sinks) | (rank >= counts - recent)

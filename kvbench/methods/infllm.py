@@ -15,6 +15,7 @@ import torch
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_positive
+from kvbench.methods.cache_ops import top_k_mask
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -66,11 +67,9 @@ def static_attend(slots, policy) -> torch.Tensor:
     b, _, m, _ = reprs.shape
     q_fixed, _ = _fixed_query(slots, n_local)
     scores = torch.einsum("bhd,bhmd->bm", q_fixed[:, :, 0], reprs)
-    ranks = torch.arange(m, device=scores.device).view(1, m).expand(b, m)
-    exists = ranks < blocks.view(b, 1)
-    order = torch.sort(scores.masked_fill(~exists, float("-inf")), dim=-1, descending=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, ranks)
-    chosen = (rank < topk.view(b, 1)) & exists  # (B, M): the topk best, or every block while there are fewer
+    exists = torch.arange(m, device=scores.device).view(1, m) < blocks.view(b, 1)
+    # (B, M): the topk best, or every block while there are fewer
+    chosen = top_k_mask(scores.masked_fill(~exists, float("-inf")), topk.view(b, 1)) & exists
     positions = slots.positions
     of_block = ((positions - n_init) // block).clamp(0, m - 1)
     in_chosen = torch.gather(chosen.view(b, 1, m).expand(b, positions.shape[1], m), -1, of_block)

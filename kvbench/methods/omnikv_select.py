@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.engine.rope import rotate_keys
+from kvbench.methods.cache_ops import top_k_mask
 
 
 def select_by_last_query(query: torch.Tensor, keys: torch.Tensor, scaling: float, k: int,
@@ -60,14 +61,6 @@ def slide_window(recent: torch.Tensor, positions: torch.Tensor, query: torch.Ten
     positions.copy_(torch.cat([positions[:, 1:], position.view(-1, 1)], dim=1))
 
 
-def _ranked(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """A mask ``(B, n)`` of the ``k`` ``(B, 1)`` highest ``scores`` (a device count: a sort and each entry's rank, no
-    ``topk`` of a constant k)."""
-    order = torch.sort(scores, dim=-1, descending=True).indices
-    ranks = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, ranks) < k
-
-
 def last_query_choice(query: torch.Tensor, keys: torch.Tensor, prompt: torch.Tensor, scaling: float, k: torch.Tensor,
                       softmax: bool) -> torch.Tensor:
     """``select_by_last_query``'s choice as a mask ``(B, C)`` over slots whose first ``prompt`` ``(B, 1)`` hold the
@@ -76,7 +69,7 @@ def last_query_choice(query: torch.Tensor, keys: torch.Tensor, prompt: torch.Ten
     inside = torch.arange(keys.shape[2], device=keys.device).view(1, -1) < prompt  # (B, C)
     logits = logits.masked_fill(~inside.view(inside.shape[0], 1, 1, -1), float("-inf"))
     scores = (torch.softmax(logits, dim=-1) if softmax else logits).amax(dim=(1, 2))
-    return _ranked(scores.masked_fill(~inside, float("-inf")), k) & inside
+    return top_k_mask(scores.masked_fill(~inside, float("-inf")), k) & inside
 
 
 def window_choice(recent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, prompt: torch.Tensor,
@@ -104,14 +97,14 @@ def window_choice(recent: torch.Tensor, positions: torch.Tensor, keys: torch.Ten
         logits = _logits(recent, keys, scaling).masked_fill(outside, float("-inf"))
         probs = torch.softmax(logits, dim=-1).amax(dim=(1, 2))  # (B, w, C)
         scores = (probs * weights).sum(1).masked_fill(forced, float("inf")).masked_fill(~inside, float("-inf"))
-        return _ranked(scores, k) & inside
+        return top_k_mask(scores, k) & inside
     delta = (positions[:, -1:] - positions).float().view(b, 1, w).expand(b, hq, w)
     rotated = rotate_keys(recent.float(), delta, rope_inv_freq.to(recent.device)).to(keys.dtype)
     logits = _logits(rotated, keys, scaling).masked_fill(forced.view(b, 1, 1, 1, c) | outside, float("-inf"))
     probs = torch.softmax(logits, dim=-1).amax(dim=(1, 2))
     scores = (probs * weights).sum(1).masked_fill(forced, float("inf"))  # every column forced: NaNs replaced
     total = torch.minimum(torch.clamp(k - prompt_rows, min=1) + prompt_rows, prompt)  # (B, 1)
-    return _ranked(scores.masked_fill(~inside, float("-inf")), total) & inside
+    return top_k_mask(scores.masked_fill(~inside, float("-inf")), total) & inside
 
 
 def _logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

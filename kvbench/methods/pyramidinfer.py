@@ -17,6 +17,7 @@ import torch
 from kvbench.budget import Budget
 from kvbench.errors import ConfigError, NotAvailableError
 from kvbench.methods.base import DecodeContext, Method, PrefillContext, check_choice, check_positive
+from kvbench.methods.cache_ops import position_rank
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
@@ -110,8 +111,7 @@ def static_decode(slots, probs: torch.Tensor, policy) -> None:
     window = slots.row_state["pyramidinfer_window"]  # (B, 1, 1)
     b, _, c, width = rows.shape  # (B, 1, C, R): one head, the heads hold the same slots
     rows.copy_(torch.cat([rows[..., 1:], probs.mean(dim=(1, 2)).view(b, 1, c, 1)], dim=-1))
-    order = torch.argsort(slots.positions.masked_fill(~valid, torch.iinfo(slots.positions.dtype).max), dim=-1)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c, device=order.device).expand_as(order))
+    _, rank = position_rank(slots.positions, valid)
     due = valid.sum(-1, keepdim=True) - window - frozen >= chunk  # (B, H, 1)
     in_chunk = valid & (rank >= frozen) & (rank < frozen + chunk)
     weighted = (rows * window_weights(window, width, distance_weight)).sum(-1) / window.float()

@@ -13,13 +13,35 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvbench.errors import ConfigError
-from kvbench.methods.base import Method, check_choice, keep_top, real_rank
+from kvbench.methods.base import Method, check_choice, keep_top
+from kvbench.methods.cache_ops import position_rank, top_k_mask
 
 if TYPE_CHECKING:  # the engine imports transformers; validating a config must not
     from kvbench.engine.cache import KVLayer
     from kvbench.engine.logits import TokenLogits
 
 ENTROPIES = ("paper", "official_code")
+
+
+def split_capacity(capacity: torch.Tensor, start_size: int, recent_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(recent R, key tokens E) for capacities ``capacity``: ``R = round(recent_ratio (C - start_size))``,
+    ``E = C - start_size - R``."""
+    rest = (capacity - start_size).clamp(min=0)
+    recent = torch.round(rest * recent_ratio).long()
+    return recent, rest - recent
+
+
+def keep_mask(entropy: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, capacity: torch.Tensor,
+              start_size: int, recent_ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What SirLLM keeps whatever its recency, ``(B, H, C)`` each: the valid entries that are among the first
+    ``start_size`` by position or the top-E entropies (ties to the older token), and each entry's rank by position
+    (``cache_ops.position_rank``); ``capacity`` broadcasts as ``(B, 1, 1)``. One rule for the host-driven step
+    (``SirLLM.keep_scores``) and the captured one (``static_decode``), whose slots are not in position order."""
+    order, rank = position_rank(positions, valid)
+    _, top_e = split_capacity(capacity, start_size, recent_ratio)
+    by_position = torch.gather(entropy.masked_fill(~valid, float("-inf")), -1, order)
+    top = torch.zeros_like(valid).scatter_(-1, order, top_k_mask(by_position, top_e, stable=True))
+    return valid & ((rank < start_size) | top), rank
 
 
 def static_decode(slots, probs, policy) -> None:
@@ -33,19 +55,9 @@ def static_decode(slots, probs, policy) -> None:
     start_size, recent_ratio, decay_ratio = policy.params
     valid, positions = slots.valid, slots.positions
     entropy = slots.state["sirllm_entropy"]
-    b, h, c = valid.shape
     newest = positions.masked_fill(~valid, -1).amax(-1, keepdim=True)
-    entropy.copy_(torch.where(valid & (positions == newest), -slots.token_logp.view(b, 1, 1), entropy))
-    by_position = torch.argsort(positions.masked_fill(~valid, torch.iinfo(positions.dtype).max), dim=-1)
-    ranks = torch.arange(c, device=valid.device).expand(b, h, c)
-    rank = torch.empty_like(by_position).scatter_(-1, by_position, ranks).masked_fill(~valid, -1)
-    rest = (slots.capacity - start_size).clamp(min=0)
-    top_e = rest - torch.round(rest * recent_ratio).long()
-    ent = entropy.masked_fill(~valid, float("-inf"))
-    ent_by_position = torch.gather(ent, -1, by_position)  # a stable sort of these: ties to the older token
-    order = torch.gather(by_position, -1, torch.sort(ent_by_position, dim=-1, descending=True, stable=True).indices)
-    top = torch.zeros_like(valid).scatter_(-1, order, ranks < top_e)
-    keep = valid & ((rank < start_size) | top)
+    entropy.copy_(torch.where(valid & (positions == newest), -slots.token_logp.view(-1, 1, 1), entropy))
+    keep, rank = keep_mask(entropy, positions, valid, slots.capacity, start_size, recent_ratio)
     key = torch.where(keep, float("inf"), rank.float()).masked_fill(~valid, float("inf"))
     evict_one(valid, key, slots.capacity)
     entropy.mul_(decay_ratio)
@@ -117,9 +129,7 @@ class SirLLM(Method):
 
     def split(self, capacity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(recent R, key tokens E) per row for budgets ``capacity`` ``(B,)``."""
-        rest = (capacity - self.start_size).clamp(min=0)
-        recent = torch.round(rest * self.recent_ratio).long()
-        return recent, rest - recent
+        return split_capacity(capacity, self.start_size, self.recent_ratio)
 
     def token_entropy(self, input_ids: torch.Tensor, logits: TokenLogits, valid: torch.Tensor) -> torch.Tensor:
         """Entropies ``(B, q)`` of the forward's tokens; ``valid`` ``(B, q)`` False at left padding (entropy 0)."""
@@ -144,14 +154,10 @@ class SirLLM(Method):
     def keep_scores(self, layer: KVLayer, capacity: torch.Tensor) -> torch.Tensor:
         """+inf for start tokens and the top-E entropies, the recency rank for the others (the newest fill the rest),
         -inf for invalid entries: ``keep_top(layer, scores, capacity)`` then keeps exactly SirLLM's set."""
-        rank = real_rank(layer)
-        _, top_e = self.split(capacity)
-        ent = layer.state["sirllm_entropy"].masked_fill(rank < 0, float("-inf"))
-        order = torch.sort(ent, dim=-1, descending=True, stable=True).indices  # ties: the older token first
-        slots = torch.arange(ent.shape[-1], device=ent.device).expand_as(order) < top_e.view(-1, 1, 1)
-        top = torch.zeros_like(slots).scatter_(-1, order, slots)
-        keep = (rank >= 0) & ((rank < self.start_size) | top)
-        return torch.where(keep, float("inf"), rank.float()).masked_fill(rank < 0, float("-inf"))
+        valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+        keep, rank = keep_mask(layer.state["sirllm_entropy"], layer.positions, valid, capacity.view(-1, 1, 1),
+                               self.start_size, self.recent_ratio)
+        return torch.where(keep, float("inf"), rank.float()).masked_fill(~valid, float("-inf"))
 
     def observe_logits(self, layers: list[KVLayer], input_ids: torch.Tensor, logits: TokenLogits) -> None:
         q = input_ids.shape[1]
