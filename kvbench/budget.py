@@ -98,7 +98,10 @@ def check_budget(budget: Budget, method: object, prompt_len: int | None = None, 
     """Every check of a parsed ``budget`` against a ``method`` (anything with ``name``, ``min_budget_tokens()`` and
     ``min_budget_reason()``), in one place; raises ConfigError in one line.
 
-    * ``full`` passes;
+    * ``full`` passes, except for a method that does not use the budget (its own fields set what it keeps, and its
+      results are filed under their label, ``budget_label``: POD's window, PyramidInfer's paper sizes, InfLLM's
+      explicit sizes, CLA's sharing factor, the offload baseline): a full budget switches every method off (what
+      ``full`` means: keep everything, FullKV), which would file FullKV's numbers under such a method's label;
     * a token budget below ``method.min_budget_tokens()`` (SnapKV's observation window + 1, StreamingLLM's sinks + 1)
       is refused whatever the prompt;
     * a ratio resolves per prompt: with ``prompt_len`` it is refused when it would compress that prompt below the
@@ -106,6 +109,14 @@ def check_budget(budget: Budget, method: object, prompt_len: int | None = None, 
       however short. Without ``prompt_len`` a ratio passes (its range, (0, 1), is ``Budget.parse``'s).
     """
     if budget.is_full:
+        label = getattr(method, "budget_label", None)
+        own = label(budget) if label is not None and method.name != "fullkv" else None
+        if own is not None:
+            raise ConfigError(
+                f"budget=full switches method {method.name!r} off (full keeps everything: FullKV), but this method does "
+                f"not use the budget (its fields set what it keeps; results filed as {own!r}): give any budget, e.g. "
+                f"budget=128 (unused), or method=fullkv"
+            )
         return
     minimum = method.min_budget_tokens()
     if budget.kind == "tokens":

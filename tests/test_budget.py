@@ -1,10 +1,11 @@
 import math
+import re
 
 import pytest
 import torch
 
 from kvbench.budget import Budget
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, NotAvailableError
 
 
 @pytest.mark.parametrize(
@@ -202,3 +203,39 @@ def test_the_budget_is_parsed_once_per_job_on_the_way_to_the_session(tmp_path, m
     assert calls == [40]  # one job, two samples: one parse
     assert sessions and all(b == Budget("tokens", 40) for b in sessions), sessions
     assert len(list(tmp_path.rglob("samples.jsonl"))) == 1
+
+
+#: every registered method that can be configured so that its own fields, not the budget, set what it keeps
+#: (``Method.budget_label`` not None: its results are filed under that label), in such a configuration
+OWN_SIZES = {"pod": {}, "pyramidinfer": {"allocation": "paper"}, "cla": {"allow_untrained": True}, "offload": {},
+             "infllm": {"n_init": 4, "n_local": 512, "topk": 2}}
+#: fields the others need to build at all
+NEEDS = {"triattention": {"stats_path": "tests/fixtures/triattention/smollm2-135m.pt"}}
+
+
+def test_a_full_budget_is_refused_where_the_method_does_not_use_the_budget():
+    """``budget=full`` keeps everything: the engine runs no method at a full budget (prefill, the host-driven decode
+    step and the captured one alike: FullKV). For a method whose own fields set what it keeps, that would file
+    FullKV's numbers under the method's own label (POD's ``window16+4080``: its host-driven decode still ran POD's
+    attention while its prefill and captured step were FullKV's), so such a budget is refused in one line naming the
+    value and what to give; every other method at a full budget is FullKV, under ``full``."""
+    from kvbench.budget import check_budget
+    from kvbench.methods import METHODS, build_method
+
+    refused = set()
+    for name in METHODS.names():
+        try:
+            method = build_method({"name": name, **OWN_SIZES.get(name, NEEDS.get(name, {}))}, Budget("tokens", 128))
+        except NotAvailableError:  # (LoCoCo: no kernels; refused at any budget)
+            continue
+        label = method.budget_label(Budget.full()) if name != "fullkv" else None
+        if label is None:
+            check_budget(Budget.full(), method, 1000)
+            continue
+        refused.add(name)
+        with pytest.raises(ConfigError, match=rf"^budget=full switches method '{name}' off \(full keeps everything: "
+                                              rf"FullKV\), but this method does not use the budget \(its fields set "
+                                              rf"what it keeps; results filed as '{re.escape(label)}'\): give any budget, e\.g\. "
+                                              rf"budget=128 \(unused\), or method=fullkv$"):
+            build_method({"name": name, **OWN_SIZES.get(name, {})}, Budget.full())
+    assert refused == set(OWN_SIZES)

@@ -194,8 +194,10 @@ class _Recorder(FullKV):
 @pytest.mark.parametrize("result", ["none", "engine", "zeros"])
 def test_method_attend_extension_point(toy_llama, result):
     ref, _ = _generate(toy_llama, FullKV(), tokens=5)
+    off = _Recorder(result)
+    assert _generate(toy_llama, off, tokens=5)[0] == ref and off.calls == []  # budget=full: no method acts
     method = _Recorder(result)
-    ours, session = _generate(toy_llama, method, tokens=5)
+    ours, session = _generate(toy_llama, method, budget="128", tokens=5)
     # called once per layer and decode step, after the step's token was appended
     assert method.calls == [(i, 1, len(PROMPT) + s) for s in range(1, 5) for i in range(3)]
     assert session.stats.decode_layer_calls == 12

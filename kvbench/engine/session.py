@@ -1215,7 +1215,7 @@ class CompressionSession:
 
     def _decode(self, backend, module, layer, query, scaling, kwargs):
         idx, spec = module.layer_idx, self.layer_specs[module.layer_idx]
-        acts = idx in self._method_index
+        acts = not self.budget.is_full and idx in self._method_index  # as in prefill and the captured step
         ctx = DecodeContext(
             layer_idx=self._method_index.get(idx, idx), num_layers=len(self.compressed),
             num_kv_heads=layer.values.shape[1], query=query, probs=None, capacity=layer.capacity, scaling=scaling,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbench.budget import Budget
+from kvbench.budget import Budget, check_budget
 from kvbench.methods.base import DecodeContext, Method, PrefillContext
 from kvbench.methods.catalog import METHODS, parse_method_name
 
@@ -16,6 +16,8 @@ def build_method(cfg: Any, budget: Budget) -> Method:
     _check_decode_compression_field(wrapper or name, fields)
     method = METHODS.build(wrapper or name, fields)
     method.validate(budget)
+    if budget.is_full:  # whether or not its validate checks the budget (one whose fields set what it keeps may not)
+        check_budget(budget, method)
     return method
 
 
