@@ -113,9 +113,9 @@ def check_budget(budget: Budget, method: object, prompt_len: int | None = None, 
         own = label(budget) if label is not None and method.name != "fullkv" else None
         if own is not None:
             raise ConfigError(
-                f"budget=full switches method {method.name!r} off (full keeps everything: FullKV), but this method does "
-                f"not use the budget (its fields set what it keeps; results filed as {own!r}): give any budget, e.g. "
-                f"budget=128 (unused), or method=fullkv"
+                f"budget=full switches method {method.name!r} off (full keeps everything: FullKV), but this method "
+                f"does not use the budget (its fields set what it keeps; results filed as {own!r}): give any budget, "
+                f"e.g. budget=128 (unused), or method=fullkv"
             )
         return
     minimum = method.min_budget_tokens()

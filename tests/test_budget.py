@@ -233,9 +233,10 @@ def test_a_full_budget_is_refused_where_the_method_does_not_use_the_budget():
             check_budget(Budget.full(), method, 1000)
             continue
         refused.add(name)
+        filed = re.escape(label)
         with pytest.raises(ConfigError, match=rf"^budget=full switches method '{name}' off \(full keeps everything: "
                                               rf"FullKV\), but this method does not use the budget \(its fields set "
-                                              rf"what it keeps; results filed as '{re.escape(label)}'\): give any budget, e\.g\. "
+                                              rf"what it keeps; results filed as '{filed}'\): give any budget, e\.g\. "
                                               rf"budget=128 \(unused\), or method=fullkv$"):
             build_method({"name": name, **OWN_SIZES.get(name, {})}, Budget.full())
     assert refused == set(OWN_SIZES)
