@@ -24,10 +24,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import ByteTokenizer
 from kvbench.budget import Budget
 from kvbench.engine import CompressionSession, greedy_generate
 from kvbench.engine.static import release_slot_pool, slot_pool
-from kvbench.methods import build_method
+from kvbench.errors import ConfigError
+from kvbench.methods import METHODS, build_method
 
 pytestmark = pytest.mark.compat
 #: a job's prompts in its order: four buckets of 256 tokens, one prompt shorter than a 256-token budget
@@ -48,7 +50,9 @@ def _job(model, name: str, budget: str, compile, job_lengths=None, fields=None):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     out = []
     for seed, n in enumerate(LENGTHS):
-        with CompressionSession(model, method, b, compile=compile, job_lengths=job_lengths) as session:
+        tokenizer = ByteTokenizer() if method.needs_reconstruction else None  # KVzip's repeat prompt, in toy ids
+        with CompressionSession(model, method, b, compile=compile, job_lengths=job_lengths,
+                                tokenizer=tokenizer) as session:
             gen = greedy_generate(model, [_prompt(n, seed)], NEW, [], 0)
         keys = slot_pool(model)._held.get((0, "keys")) if compile else None
         memory = (gen.resident_kv_bytes_final, session.stats.resident_curve)
@@ -94,26 +98,112 @@ def test_a_content_methods_slots_only_grow_within_a_job(toy_llama):
     assert [r[:3] for r in runs["eager"]] == [r[:3] for r in runs[False]]
 
 
-@pytest.mark.parametrize("name", ["pyramidkv", "d2o"])
-def test_a_ratio_budgets_layer_allocation_only_grows_within_a_job(toy_llama, name):
+@pytest.mark.parametrize(("name", "budget"), [("pyramidkv", "0.5"), ("d2o", "0.5"), ("kvzip", "0.5"),
+                                              ("kvzip", "256")])
+def test_a_ratio_budgets_layer_allocation_only_grows_within_a_job(toy_llama, name, budget):
     """A ratio budget sizes PyramidKV's layers per prompt, each layer its own count around the mean: the layers share
-    one count that only grows within the job (the most any layer needs, rounded up), where each sample's counts were a
-    graph of their own (462, 1024, 462, 768 slots for the job's four samples, 3 graphs). D2O's allocation follows the
-    content (``capacities_from_content``) and shared one already. The tokens and each sample's memory stay the
-    host-driven path's."""
-    eager, _ = _job(toy_llama, name, "0.5", False)
-    captured, graphs = _job(toy_llama, name, "0.5", "eager", job_lengths=(max(LENGTHS), NEW))
+    one count, the longest prompt's largest layer's (``Method.prompt_entries``, 896 slots), where each sample's counts
+    were a graph of their own (462, 1024, 462, 768 slots for the job's four samples, 3 graphs), and then a count that
+    grew at the longest prompt (2 graphs). D2O's allocation follows the content (``capacities_from_content``): its
+    count only grows within the job (the most any layer needs, rounded up). So do KVzip's heads, each holding what
+    the scores give it (a ragged layer: its longest head): 320, 384, 320, 384 slots at 256 before (3 graphs; the
+    third prompt, within the budget, kept its layers uniform and took a count of its own), 320, 384, 384, 384 now.
+    The tokens and each sample's memory stay the host-driven path's."""
+    eager, _ = _job(toy_llama, name, budget, False)
+    captured, graphs = _job(toy_llama, name, budget, "eager", job_lengths=(max(LENGTHS), NEW))
     assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
     assert [m for _, _, m in captured] == [m for _, _, m in eager]
     counts = [slots for _, (slots, _), _ in captured]
     assert counts == sorted(counts) and len(set(counts)) <= 2, counts  # grows once: at the longest prompt (second)
     assert graphs <= 2
+    if name == "pyramidkv":  # host arithmetic: the job's count from the first sample on
+        assert set(counts) == {896} and graphs <= 1
+
+
+@pytest.mark.parametrize(("name", "budget"), [("pod", "128"), ("triattention", "256")])
+def test_a_method_that_holds_the_prompt_whole_takes_the_jobs_longest(toy_llama, tmp_path, name, budget):
+    """POD keeps every value (its budget is unused) and TriAttention the whole prompt until its schedule compresses
+    during decode (``compression = "none"``): the job's count is its longest prompt's whole (912 slots here), where
+    the budget's tokens for it (128 + 12, 256 + ...) left every sample a count and a graph of its own (142, 312, 622,
+    912: 4 graphs)."""
+    import json
+
+    from helpers import triattention_stats
+
+    (tmp_path / "map.json").write_text(json.dumps({"model": "toy", "delta": 0.5, "granularity": "kv_head",
+                                                   "num_layers": 3, "num_kv_heads": 2,
+                                                   "blocks": [[[0, 1], [2]], [[0], [1, 2]]]}))
+    fields = {"pod": {"n_s": 4, "n_r": 8, "block_map": str(tmp_path / "map.json")},
+              "triattention": {"stats_path": triattention_stats(toy_llama), "divide_length": 4}}[name]
+    eager, _ = _job(toy_llama, name, budget, False, fields=fields)
+    captured, graphs = _job(toy_llama, name, budget, "eager", job_lengths=(max(LENGTHS), NEW), fields=fields)
+    assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
+    assert [m for _, _, m in captured] == [m for _, _, m in eager]
+    assert len({slots for _, slots, _ in captured}) == 1 and graphs <= 1
+    assert captured[0][1][0] >= max(LENGTHS)  # (912 for POD, 901 for TriAttention: it evicts at its first step)
+
+
+#: fields a method needs on the toy model, or a configuration whose layers hold counts of their own
+FIELDS = {"omnikv": {"filter_layers": [0]}, "pyramidinfer-paper": {"allocation": "paper"},
+          "pyramidkv-2406": {"schedule": "kvfactory_2406"}}
+#: fewer than ``prompt_entries`` says: a budget's remainder smaller than a chunk stays unused
+BELOW = {"chunkkv"}
+#: counts that follow the prompt's content (``Method.capacities_from_content``)
+CONTENT = {"adakv", "d2o", "dynamickv", "kvmerger", "kvzip"}
+
+
+def test_the_methods_whose_counts_follow_the_content():
+    assert {n for n in METHODS.names() if METHODS.get_class(n).capacities_from_content is True} == CONTENT
+
+
+@pytest.mark.parametrize("name", sorted(set(METHODS.names()) - {"cla", "lococo", "offload", "fullkv"} - CONTENT
+                                        | {"pyramidinfer-paper", "pyramidkv-2406"}))
+def test_prompt_entries_are_what_each_layer_holds_after_prefill(toy_llama, tmp_path, name):
+    """``Method.prompt_entries`` (host arithmetic, what a job's captured decode sizes every sample's slots from) is
+    what each layer holds after the prompt's prefill, for two lengths and a token and a ratio budget: PyramidInfer's
+    and PyramidKV's counts per layer, the whole prompt for the methods that keep it, the budget's tokens otherwise;
+    at most that for ChunkKV. A method whose counts follow the content (D2O, DynamicKV, KVMerger, AdaKV, KVzip) is not
+    held to it (its job's count grows where a sample needs more)."""
+    from helpers import ByteTokenizer, triattention_stats
+
+    base = name.split("-")[0]
+    fields = FIELDS.get(name, {})
+    if base == "triattention":
+        fields = {"stats_path": triattention_stats(toy_llama)}
+    if base == "pod":
+        (tmp_path / "map.json").write_text('{"model": "toy", "delta": 0.5, "granularity": "layer", "num_layers": 3, '
+                                           '"num_kv_heads": 2, "blocks": [[0, 1], [2]]}')
+        fields = {"n_s": 4, "n_r": 8, "block_map": str(tmp_path / "map.json")}
+    checked = 0
+    for budget in ("64", "0.5"):
+        for n in (100, 300):
+            b = Budget.parse(budget)
+            try:
+                method = build_method({"name": base, **fields}, b)
+            except ConfigError:  # (TriAttention: a ratio; OmniKV: a ratio below its dense layers' share)
+                continue
+            assert not method.capacities_from_content
+            tokenizer = ByteTokenizer() if method.needs_reconstruction else None
+            try:
+                with CompressionSession(toy_llama, method, b, tokenizer=tokenizer) as session:
+                    greedy_generate(toy_llama, [_prompt(n, 1)], 1, [], 0)  # the prefill only
+                    held = [session._layers[i].values.shape[2] for i in sorted(session._layers)]
+            except ConfigError:  # (a ratio below the method's minimum on this prompt, or OmniKV's dense share)
+                continue
+            want = method.prompt_entries(b, n, 3)
+            if base in BELOW:
+                assert all(h <= w for h, w in zip(held, want)) and held != want, (budget, n, held, want)
+            else:
+                assert held == want, (budget, n, held, want)
+            checked += 1
+    assert checked >= 2
 
 
 def test_a_prompt_within_the_budget_replays_the_jobs_grown_count(toy_llama):
     """PyramidKV at budget 256: a 900-token prompt's layers hold 503, 267 and 31 entries (one count for them: 512
     slots); a 130-token prompt after it, whose layers hold it whole, replays those 512 slots instead of taking the
-    job's own count (268: a second graph). The first sample (300 tokens: every layer 267) came before any pyramid."""
+    job's own count (268: a second graph). So does the first sample (300 tokens: every layer 267), which took 268
+    before the job's count came from the longest prompt's pyramid (``Method.prompt_entries``): a second graph."""
     b = Budget.parse("256")
     method = build_method({"name": "pyramidkv"}, b)
     release_slot_pool(toy_llama)
@@ -122,7 +212,7 @@ def test_a_prompt_within_the_budget_replays_the_jobs_grown_count(toy_llama):
         with CompressionSession(toy_llama, method, b, compile="eager", job_lengths=(max(LENGTHS), NEW)) as session:
             greedy_generate(toy_llama, [_prompt(n, seed)], NEW, [], 0)
         counts.append({session._layers[i].keys.shape[2] for i in session._layers})
-    assert counts == [{268}, {512}, {512}, {512}]
+    assert counts == [{512}, {512}, {512}, {512}]
 
 
 def test_pyramidinfers_paper_allocation_replays_one_graph(toy_llama):
@@ -134,7 +224,9 @@ def test_pyramidinfers_paper_allocation_replays_one_graph(toy_llama):
     captured, graphs = _job(toy_llama, "pyramidinfer", "256", "eager", job_lengths=(max(LENGTHS), NEW), fields=fields)
     assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
     assert [m for _, _, m in captured] == [m for _, _, m in eager]
-    assert graphs <= 1
+    # one count and buffer from the first sample on (the longest prompt's contexts, ``prompt_entries``: the first
+    # sample took 320 slots from the unused budget's tokens and the second 960, a second graph)
+    assert len({slots for _, slots, _ in captured}) == 1 and graphs <= 1
 
 
 @pytest.mark.parametrize(("budget", "selector"), [("64", "last"), ("64", "exp"), ("0.8", "softmax_before_last"),

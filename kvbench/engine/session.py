@@ -297,15 +297,17 @@ class CompressionSession:
 
     def _job_slots(self, idx: int, policy: StaticPolicy, caps: list[int], compression) -> int | None:
         """The slots layer ``idx`` would take for the job's longest prompt and most new tokens (``job_lengths``): what
-        the layer keeps of that prompt (all of it where the method does not act on the layer, or keeps every entry
-        resident and selects what to attend: ``compression == "attention"``, Quest) plus what the layer appends, by
+        the layer keeps of that prompt (all of it where the method does not act on the layer; else
+        ``Method.prompt_entries``: all of it for Quest, POD and TriAttention, which keep it, PyramidKV's pyramid,
+        PyramidInfer's contexts, the budget's tokens for the others) plus what the layer appends, by
         the same rule as the sample's own count. None without job lengths. A sample whose layer needs more (a
         per-layer allocation above the budget's mean) takes its own count, as without job lengths."""
         if self.job_lengths is None:
             return None
         longest, new_tokens = self.job_lengths
-        acts = idx in self._method_index and not self.budget.is_full and self.method.compression != "attention"
-        held = self.budget.tokens_for(longest) if acts else longest
+        held = longest
+        if idx in self._method_index and not self.budget.is_full:
+            held = self.method.prompt_entries(self.budget, longest, len(self.compressed))[self._method_index[idx]]
         return held + _extra_slots(policy, caps, held, compression, self.budget, max(self._reserve, new_tokens))
 
     def _check_static(self) -> None:
@@ -378,6 +380,7 @@ class CompressionSession:
         elif not self.budget.is_full and self.method.acts_on_schedule():  # after_decode_forward between blocks
             compression = self._captured_compression = CapturedCompression(None, self.method.after_decode_forward_due)
         plans = []  # per layer: idx, policy, capacities, held, extra slots, compresses in decode, heads differ
+        jobs = set()  # the job's counts of the method's layers (its longest prompt's)
         for idx in sorted(self._attention_layers):
             layer, spec = self._layers[idx], self.layer_specs[idx]
             caps = layer.capacity_list() if layer.capacity is not None else [layer.num_entries]
@@ -393,6 +396,8 @@ class CompressionSession:
             extra = _extra_slots(policy, caps, held, compression if compresses else None, self.budget,
                                  self._reserve, layer.seen)
             job = None if spec.sliding else self._job_slots(idx, policy, caps, compression if compresses else None)
+            if job is not None and idx in self._method_index:
+                jobs.add(job)
             if job is not None and held + extra <= job:
                 extra = job - held  # the job's longest prompt's count: every sample replays one graph over one buffer
             elif varies and not spec.sliding:  # a slot count the prompt's length sets: rounded, a graph per bucket
@@ -417,12 +422,13 @@ class CompressionSession:
         # layer it acts on, its layers of heads of their own lengths included: which layers exceed the budget's mean,
         # and which become ragged, change from sample to sample (DynamicKV: a graph per sample of a job)
         # So does a method whose layers hold different counts in this sample (PyramidKV's pyramid: under a ratio budget
-        # each sample's counts were a slot count and a graph of their own), or did in an earlier sample of the job (a
-        # prompt within the budget, whose layers hold it whole, took the job's count, a second graph, where it now
-        # replays the job's grown one)
+        # each sample's counts were a slot count and a graph of their own), or for the job's longest prompt
+        # (``Method.prompt_entries``: a first prompt within the budget takes the pyramid's largest count, not its own),
+        # or did in an earlier sample of the job (a prompt within the budget, whose layers hold it whole, took the
+        # job's count, a second graph, where it now replays the job's grown one)
         mark = ("content", self.method.name, self.budget, rows)
         content = self.job_lengths is not None and (
-            self.method.capacities_from_content or mark in pool.marks
+            self.method.capacities_from_content or mark in pool.marks or len(jobs) > 1
             or len({(max(caps), held) for idx, _, caps, held, *_ in plans if idx in self._method_index}) > 1)
         sharing = {idx: (held + extra, max(caps)) for idx, policy, caps, held, extra, _, differs in plans
                    if (policy.evict is not None or content) and not differs and idx in self._method_index
@@ -436,6 +442,10 @@ class CompressionSession:
                 shared = pool.marks[mark] = max(shared, pool.marks.get(mark, 0))
             if content and needs:
                 shared = slots = max(shared, slots)
+        if content and needs:  # heads of their own lengths in this sample (KVzip's, AdaKV's): the job's mark too, so
+            # that a sample whose layers stay uniform (a prompt within the budget) replays the count a ragged one grew
+            slots = pool.marks[mark] = max(slots, pool.marks.get(mark, 0))
+            shared = None if shared is None else slots
         for idx, policy, caps, held, extra, compresses, differs in plans:
             layer = self._layers[idx]
             if differs:

@@ -177,6 +177,19 @@ class Method:
             return "none"
         return self.compression
 
+    def prompt_entries(self, budget: Budget, prompt_len: int, num_layers: int) -> list[int]:
+        """The most entries each of the ``num_layers`` layers the method acts on holds once a prompt of
+        ``prompt_len`` tokens is prefilled under ``budget`` (not full), host arithmetic, layer 0 first: the captured
+        decode of a job sizes every sample's slots from its longest prompt's (``CompressionSession(job_lengths=...)``;
+        a sample whose layer holds more takes a count, and a graph, of its own). Default: the budget's tokens in every
+        layer (ChunkKV keeps fewer: whole chunks), or the whole prompt for a method that keeps it (``compression``
+        "none" or "attention"). A method whose layers hold other counts says them (PyramidKV's pyramid, PyramidInfer's
+        contexts); where they follow the prompt's content (``capacities_from_content``) this is their mean, and the
+        job's count grows past it where a sample needs more."""
+        if self.compression in ("none", "attention"):
+            return [prompt_len] * num_layers
+        return [budget.tokens_for(prompt_len)] * num_layers
+
     def min_budget_reason(self) -> str:
         return "at least one token"
 

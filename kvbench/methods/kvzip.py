@@ -65,6 +65,7 @@ class KVzip(Method):
 
     name: ClassVar[str] = "kvzip"
     compression: ClassVar[str] = "prefill"
+    capacities_from_content: ClassVar[bool] = True  # each layer's and head's count follows the scores
     supports_batching: ClassVar[bool] = False
     needs_reconstruction: ClassVar[bool] = True
     layerwise: bool = False

@@ -216,6 +216,21 @@ class PyramidInfer(Method):
     def window(self, budget: int) -> int:
         return 1 + int(self.recent_ratio * budget)
 
+    def _sizes(self, n: int, budget: int, num_layers: int) -> tuple[int, list[int]]:
+        """The recent window and each layer's context entries for a prompt of ``n`` tokens (``budget`` tokens per
+        layer, unused by ``allocation=paper``)."""
+        if self.allocation == "paper":
+            return paper_contexts(n, num_layers, self.recent_ratio, self.decay_ratio, self.decay_strategy,
+                                  self.min_context)
+        w = min(n, self.window(budget))
+        return w, budget_contexts(n, budget, w, num_layers, self.decay_ratio, self.decay_strategy, self.min_context)
+
+    def prompt_entries(self, budget: Budget, prompt_len: int, num_layers: int) -> list[int]:
+        """Layer l keeps its window and ``contexts[l]`` of what layer l - 1 kept (``prefill``; the contexts do not
+        grow with depth and the first is at most the prompt's, ``n - W``)."""
+        window, contexts = self._sizes(prompt_len, budget.tokens_for(prompt_len), num_layers)
+        return [window + c for c in contexts]
+
     def min_budget_tokens(self) -> int:
         if self.allocation == "paper":
             return 1  # the code's sizes: the budget is unused
@@ -260,14 +275,7 @@ class PyramidInfer(Method):
         if layer.valid is not None or ctx.queries.shape[0] != 1:
             raise NotAvailableError("method 'pyramidinfer' runs one sequence at a time (batch_size=1, no padding)")
         if ctx.layer_idx == 0:
-            n, budget = ctx.n, ctx.host_ints()[1][0]
-            if self.allocation == "paper":
-                self._plan = paper_contexts(n, ctx.num_layers, self.recent_ratio, self.decay_ratio,
-                                            self.decay_strategy, self.min_context)
-            else:
-                w = min(n, self.window(budget))
-                self._plan = (w, budget_contexts(n, budget, w, ctx.num_layers, self.decay_ratio,
-                                                 self.decay_strategy, self.min_context))
+            self._plan = self._sizes(ctx.n, ctx.host_ints()[1][0], ctx.num_layers)
             self._chosen, self._rows, self._frozen = None, {}, {}
         self._stash = None
         chosen = self._chosen

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from kvbench.budget import Budget
 from kvbench.errors import ConfigError
 from kvbench.methods.base import PrefillContext, check_choice, check_positive
 from kvbench.methods.snapkv import SnapKV
@@ -89,6 +90,10 @@ class PyramidKV(SnapKV):
                               "the steps by L until 2024-09-30 (schedule=kvfactory_2406) and by L - 1 since "
                               "(schedule=kvfactory_2409); docs/baseline_readings.md says which table used which")
         check_choice(self.name, "schedule", self.schedule, SCHEDULES)
+
+    def prompt_entries(self, budget: Budget, prompt_len: int, num_layers: int) -> list[int]:
+        return [self.window + c for c in pyramid_capacity(budget.tokens_for(prompt_len), prompt_len, self.window,
+                                                          self.beta, num_layers, self.schedule)]
 
     def layer_capacity(self, ctx: PrefillContext) -> list[int]:
         """Tokens this layer keeps per row (window included), host ints (the pyramid is host arithmetic: no read)."""

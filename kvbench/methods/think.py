@@ -154,6 +154,9 @@ class ThinK(Method):
     def expected_compression(self, budget: Budget, prompt_len: int, num_layers: int) -> str:
         return self._inner.expected_compression(budget, prompt_len, num_layers)
 
+    def prompt_entries(self, budget: Budget, prompt_len: int, num_layers: int) -> list[int]:
+        return self._inner.prompt_entries(budget, prompt_len, num_layers)
+
     def expected_key_channels(self, head_dim: int) -> int | None:
         return head_dim - int(head_dim * self.key_channel_compression_ratio)
 
