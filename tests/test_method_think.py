@@ -84,6 +84,15 @@ def test_readings_think_cannot_serve_are_refused(fields, message):
         build_method({"name": "think", **fields}, Budget.parse(64))
 
 
+def test_a_full_budget_is_refused_while_it_prunes_channels():
+    """The engine runs no method at a full budget: ThinK's channel pruning would be off too, and FullKV's numbers
+    filed as ThinK's (a channel-only ThinK at a full budget is what kvpress's ThinKPress alone runs; not offered)."""
+    with pytest.raises(ConfigError, match=r"^budget=full switches method 'think' off, its key-channel pruning "
+                                          r"included \(key_channel_compression_ratio=0.5\): .* budget=128\)$"):
+        build_method({"name": "think"}, Budget.full())
+    build_method({"name": "think", "key_channel_compression_ratio": 0.0}, Budget.full())  # SnapKV at full: FullKV
+
+
 def test_compact_positions_are_refused(toy_llama):
     budget = Budget.parse(48)
     method = build_method({"name": "think"}, budget)

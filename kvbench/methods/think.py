@@ -140,6 +140,12 @@ class ThinK(Method):
         return self._inner.compression
 
     def validate(self, budget: Budget) -> None:
+        if budget.is_full and self.key_channel_compression_ratio > 0:
+            raise ConfigError(
+                f"budget=full switches method 'think' off, its key-channel pruning included (key_channel_compression_"
+                f"ratio={self.key_channel_compression_ratio:g}): the engine runs no method at a full budget, so this "
+                "would file FullKV's numbers as ThinK's; give its inner method a budget (e.g. budget=128)"
+            )
         self._inner.validate(budget)
 
     def min_budget_tokens(self) -> int:
