@@ -798,19 +798,25 @@ def test_methods_without_a_static_step_are_refused(toy_llama, method, fields):
     assert m.static_refusal() in str(refused.value)
 
 
-@pytest.mark.parametrize("method", ["fullkv", "h2o", "quest"])
+@pytest.mark.parametrize("method", ["fullkv", "h2o", "quest", "kvzip", "adakv"])
 def test_the_steps_run_past_the_end_are_not_the_generations(toy_llama, method):
     """The captured loop reads the chosen ids every 16 steps, so it runs up to 15 decode steps past the step where
     every row ended (their ids are dropped, and the timing counts them: they ran). The memory a record reports is the
     generation's: the resident curve and the final bytes stop where the host-driven path stopped, and so do the
-    entries attended per step (the steps run past the end are taken back from the sums)."""
+    entries attended per step (the steps run past the end are taken back from the sums). A layer made from a ragged
+    one (KVzip's, AdaKV's heads of their own lengths) counts its heads' entries: it reported the ones the steps past
+    the end wrote too (KVzip: 62,208 bytes where the generation held 53,760)."""
+    from helpers import ByteTokenizer
+
     b = Budget.parse(None if method == "fullkv" else 64)
     free, _ = _generate(toy_llama, method, b.label(), False, [_prompt()], new=40)
     tokens = free.tokens[0]
     eos = next(t for i, t in enumerate(tokens) if i >= 5 and t not in tokens[:i])  # ends the row at step 5 or later
     runs = {}
     for compile in (False, "eager"):
-        with CompressionSession(toy_llama, build_method({"name": method}, b), b, compile=compile) as session:
+        m = build_method({"name": method}, b)
+        tokenizer = ByteTokenizer() if m.needs_reconstruction else None
+        with CompressionSession(toy_llama, m, b, compile=compile, tokenizer=tokenizer) as session:
             out = greedy_generate(toy_llama, [_prompt()], 40, [eos], 0)
         runs[compile] = (out, session.stats.resident_curve, session.stats.attended_tokens_mean,
                          session.stats.decode_layer_calls)
@@ -822,6 +828,23 @@ def test_the_steps_run_past_the_end_are_not_the_generations(toy_llama, method):
     assert captured_curve == eager_curve
     assert captured.resident_kv_bytes_final == eager.resident_kv_bytes_final
     assert calls == eager_calls and attended == pytest.approx(eager_attended)
+
+
+@pytest.mark.parametrize(("method", "budget"), [("fullkv", None), ("snapkv", "180"), ("adakv", "180")])
+def test_a_buckets_extra_rows_are_not_the_batchs(toy_llama, method, budget):
+    """Three rows run at the batch bucket of four, its extra row a copy of the last one: the entries attended per step
+    are the three rows' mean, as the host-driven path counts them, not the bucket's (FullKV's rows of 200, 163 and
+    126 tokens reported 165.4 entries for 175.0, SnapKV's and AdaKV's at 180, where the shortest row is held whole,
+    160.3 for 168.0 and 167.0). The tokens, curve and bytes were the batch's already."""
+    b = Budget.parse(budget)
+    prompts = [_prompt(200, 1), _prompt(163, 2), _prompt(126, 3)]
+    runs = {}
+    for compile in (False, "eager"):
+        with CompressionSession(toy_llama, build_method({"name": method}, b), b, compile=compile) as session:
+            out = greedy_generate(toy_llama, prompts, 24, [], 0)
+        runs[compile] = (out.tokens, out.resident_kv_bytes_final, session.stats.resident_curve,
+                         session.stats.attended_tokens_mean, session.stats.decode_layer_calls)
+    assert runs["eager"] == runs[False]
 
 
 def _amplified(family: str):

@@ -160,6 +160,7 @@ class CompressionSession:
         self._graph_live = False  # the captured decode steps are running (engine/graph.py)
         self._attended_acc: torch.Tensor | None = None  # their attended entries per step of a read block (device)
         self._attended_column: torch.Tensor | None = None  # the step's column of the block (the step buffer's)
+        self._real_rows: torch.Tensor | None = None  # (bucket,) 1 for the batch's rows: the attended mean's weights
         self._last_block: torch.Tensor | None = None  # the last read block's per-step sums (generation_ended)
         self._static: dict[int, tuple[StaticPolicy, torch.Tensor]] = {}  # layer -> (policy, capacity (B, 1, 1))
         self._row_bases: dict[tuple, torch.Tensor] = {}  # capacities and selections at the batch bucket's rows
@@ -654,7 +655,8 @@ class CompressionSession:
         slots = StepSlots(layer.keys, layer.values, layer.positions, layer.valid, layer.state.get("acc"), capacity,
                           layer.row_state, chosen, query, scaling, self.rope_inv_freq, layer.key_channels,
                           spec.softcap, spec.sinks, layer.state, shared,
-                          self._token_logp if policy.token_logp else None)
+                          self._token_logp if policy.token_logp else None,
+                          self._real_rows if self._graph_live else None)
         return static_step(slots, policy)
 
     def _static_decode(self, layer, idx: int, query: torch.Tensor, scaling: float):
@@ -719,14 +721,16 @@ class CompressionSession:
         self._view_rows(rows, pad_from=real)
         device = layers[0].keys.device
         attended = slot_pool(self.model).take(("attended",), (columns,), torch.long, device).zero_()
+        self._real_rows = slot_pool(self.model).take(("real_rows",), (rows,), torch.long, device).zero_()
+        self._real_rows[:real] = 1  # the batch's rows among the bucket's (StepSlots.rows: the attended mean's)
         self._attended_acc = attended
         self._attended_column = column
         self._last_block = None
         rings = [] if self._captured_compression is None else \
             [t for ring in self._captured_compression.rings.values() for t in ring]  # decode compression's queries
         mark_static([t for layer in layers for t in layer.buffers()] + list(self._chosen.values()) +
-                    list(self._shared.values()) +
-                    [self._static[i][1] for i in self._static] + tensors + [attended, self._attended_column] + rings)
+                    list(self._shared.values()) + [self._static[i][1] for i in self._static] + tensors +
+                    [attended, self._attended_column, self._real_rows] + rings)
         impl = self.model.config._attn_implementation
         self.model.set_attn_implementation(GRAPH_IMPL)
         CAPTURED_SESSION.append(self)
@@ -796,6 +800,8 @@ class CompressionSession:
         for idx in self._occupancy:
             if idx in self._static and idx not in fill:
                 self._layers[idx].entries = self._static_entries(idx, steps)
+                if self._occupancy[idx][2] is None:  # a layer counting its heads' own entries (a ragged one's) gained
+                    self._layers[idx].past_end = extra  # one per (row, head) at each step past the end; none left
             elif idx in fill:  # what it held after that step (its slots keep the later steps' entries and compressions)
                 held = self._captured_compression.held_at(steps, idx)
                 self._layers[idx].entries = fill[idx] if held is None else held

@@ -47,7 +47,8 @@ class StepSlots(NamedTuple):
     the layer's per-entry statistics ``state`` (``StaticPolicy.state``: name -> ``(B, Hkv, C)``), the logits
     buffer ``shared`` ``(B, Hkv, g, 1, C)`` float32 the layers naming it share (``StaticPolicy.shared``, or None), and
     ``token_logp`` ``(B, 1)`` float32, the model's log-probability of the step's input token under the previous
-    forward's prediction (``StaticPolicy.token_logp``, or None)."""
+    forward's prediction (``StaticPolicy.token_logp``, or None), and inside a captured step at a batch bucket ``rows``
+    ``(B,)`` long, 1 for the batch's rows and 0 for the bucket's extra ones (or None: every row is the batch's)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -66,6 +67,7 @@ class StepSlots(NamedTuple):
     state: dict | None = None
     shared: torch.Tensor | None = None
     token_logp: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -424,12 +426,15 @@ class StaticKVLayer(KVLayer):
         Its empty slots are the captured step's working layout (sized for the batch bucket, the job's longest prompt
         and the generation's new tokens), as a bucket's extra rows are: what a method keeps is the same whichever path
         decodes it. A layer made from a ragged one (heads keeping different numbers) counts the entries its heads
-        hold, as the ragged layer did. A layer with a key window (``StaticPolicy.key_window``) holds the keys of its
-        first ``sinks`` and last ``recent - 1`` entries between steps (the next step's key completes the window), as
-        the host-driven layer trims them. Without a count (a layer built outside a session): every slot."""
+        hold, as the ragged layer did, less the ones the steps the captured loop ran past the generation's end wrote
+        (``past_end``, per (row, head): such a layer's step frees none). A layer with a key window
+        (``StaticPolicy.key_window``) holds the keys of its first ``sinks`` and last ``recent - 1`` entries between
+        steps (the next step's key completes the window), as the host-driven layer trims them. Without a count (a
+        layer built outside a session): every slot."""
         per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
-        if getattr(self, "kept_bytes_only", False):
-            return int(self.valid.sum()) * per_entry
+        if getattr(self, "kept_bytes_only", False):  # (less what the captured steps run past the end appended)
+            past = getattr(self, "past_end", 0) * self.valid.shape[0] * self.valid.shape[1]
+            return (int(self.valid.sum()) - past) * per_entry
         entries = getattr(self, "entries", None)
         if entries is not None:  # (keys: the window's entries' where the layer has a key window)
             return self.keys.shape[0] * self.keys.shape[1] * (
@@ -458,7 +463,8 @@ def static_step(slots: StepSlots, policy: StaticPolicy) -> tuple[torch.Tensor, t
     every valid one) and of a shared selection (``policy.choose``), attention of ``slots.query`` ``(B, Hq, 1, D)`` over
     them, the method's score accumulation (``policy.accumulate``) and eviction (``policy.evict``). Returns the output
     ``(B, 1, Hq, D)`` and the entries attended per (row, head), a device scalar (before the eviction: the victim was
-    attended). Pure tensor code without host reads or data-dependent shapes: run inside the captured step."""
+    attended; over ``slots.rows`` where given). Pure tensor code without host reads or data-dependent shapes: run
+    inside the captured step."""
     keys, values, valid, query = slots.keys, slots.values, slots.valid, slots.query
     b, hq, q, _ = query.shape
     hkv, c, d = keys.shape[1], keys.shape[2], values.shape[-1]
@@ -489,7 +495,12 @@ def static_step(slots: StepSlots, policy: StaticPolicy) -> tuple[torch.Tensor, t
     if policy.accumulate:
         step = probs.sum(3)
         slots.acc.add_(step.mean(2) if policy.acc_agg == "mean" else step.amax(2))
-    count = attended.sum() // attended[..., 0].numel()
+    if slots.rows is None:
+        count = attended.sum() // attended[..., 0].numel()
+    else:  # the mean over the batch's rows, not the bucket's extra ones (copies of its last row), as the host-driven
+        # step counts it: the rows' sums weighed by a device mask, so the batch's size is not a constant of the graph
+        per_row = attended.reshape(b, -1).sum(-1)
+        count = (per_row * slots.rows).sum() // (slots.rows.sum() * (attended[..., 0].numel() // b))
     if policy.evict is not None:
         policy.evict(slots, probs, policy)
     return out.transpose(1, 2).contiguous(), count
