@@ -88,6 +88,34 @@ def test_static_decode_equals_the_default_path(toy_llama, method):
     assert static_session.stats.resident_curve == eager_session.stats.resident_curve
 
 
+@pytest.mark.parametrize("method", STATIC)
+def test_a_padded_batch_ending_early_records_what_the_default_path_records(toy_llama, method):
+    """What a record stores of a generation, for three rows at the batch bucket of four (one row where the method
+    takes no batch) whose first row ends at an EOS early, so the captured loop runs steps past its end: the tokens,
+    the resident bytes after prefill and at the end, the resident curve, the entries attended per step and the layer
+    calls equal the host-driven path's. A sweep of this kind found the attended mean taken over the bucket's copy of
+    the last row and a ragged cache's bytes counting the steps past the end."""
+    from helpers import ByteTokenizer
+
+    b = Budget.parse(None if method == "fullkv" else 64)
+    probe = build_method(_fields(toy_llama, method, None), b)
+    prompts = [_prompt(200, 1), _prompt(163, 2), _prompt(126, 3)][: 3 if probe.supports_batching else 1]
+    free, _ = _generate(toy_llama, method, b.label(), False, prompts, new=24)
+    tokens = free.tokens[0]
+    eos = [tokens[max(i for i, t in enumerate(tokens) if t not in tokens[:i])]]  # row 0's last new token ends it
+    records = {}
+    for compile in (False, "eager"):
+        m = build_method(_fields(toy_llama, method, None), b)
+        tokenizer = ByteTokenizer() if m.needs_reconstruction else None
+        with CompressionSession(toy_llama, m, b, compile=compile, tokenizer=tokenizer) as session:
+            out = greedy_generate(toy_llama, prompts, 24, eos, 0)
+        stats = session.stats
+        records[compile] = (out.tokens, out.resident_kv_bytes_final, stats.resident_kv_bytes_after_prefill,
+                            stats.resident_curve, stats.attended_tokens_mean, stats.decode_layer_calls)
+    assert len(records[False][0][0]) < 24
+    assert records["eager"] == records[False]
+
+
 @pytest.fixture(scope="session")
 def capture_probe(toy_llama) -> dict:
     """``graph.STATUS`` after one captured FullKV generation: whether this torch / transformers pair traces the

@@ -129,5 +129,6 @@ class CLA(Method):
         scaling = ctx.scaling or ctx.query.shape[-1] ** -0.5
         out = shared_attention(ctx.query, lower.keys, lower.values, lower.valid, scaling).to(lower.values.dtype)
         self._drop(layer)  # this step's own K/V were appended by the model's cache update; CLA has none
-        ctx.attended = lower.keys.shape[2]
+        valid = lower.valid  # the entries attended per (row, head), as the engine counts them: not a padded row's slots
+        ctx.attended = lower.keys.shape[2] if valid is None else valid.sum() // valid[..., 0].numel()
         return out
