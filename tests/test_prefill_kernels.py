@@ -261,13 +261,20 @@ def _prefill_counts(model, name, n, budget=128) -> tuple[dict, dict]:
     return counts.as_row()
 
 
-@pytest.mark.parametrize("method", ["adakv", "chunkkv"])
+#: methods whose padded rows' selection reads what one row's does in the middle layers (the others' ``keep_top`` reads
+#: a padded cache's counts: three reads per layer, whatever the rows)
+AS_ONE_ROW = {"adakv", "chunkkv", "keydiff"}
+
+
+@pytest.mark.parametrize("method", ["adakv", "chunkkv", "keydiff", "expected_attention", "d2o", "snapkv"])
 def test_a_left_padded_batch_reads_no_more_per_layer_than_one_row(toy_llama, method):
     """A left-padded batch (the generation loop's) is checked once per prompt to be left padding; each row's tokens
     are then a slice of host ints (``PrefillContext.row_tokens``) and the scorer's must-keep count that of the row's
     length, so AdaKV and ChunkKV select every row without a read (indexing by a row's mask read its count, and the
     scores' +inf count was read, per row and layer), and the prompt's padding mask is stored in each layer unread:
-    four rows read per layer what two do."""
+    four rows read per layer what two do. So do Expected Attention's statistics, KeyDiff's anchors and blocks and
+    D2O's layer variance, over each row's own tokens (at four rows 17/15/17, 7/5/7 and 6/4/18 reads per layer, one
+    more per row; now 5/3/5, 3/1/3 and 2/0/14)."""
     b = Budget.parse(128)
 
     def reads(rows: int) -> dict:
@@ -289,7 +296,8 @@ def test_a_left_padded_batch_reads_no_more_per_layer_than_one_row(toy_llama, met
     assert four == two, (two, four)  # the reads do not grow with the rows (they grew by one or two per row and layer)
     # a padded prompt's middle layers read what an unpadded one's do; its first layer reads whether keys are padding,
     # its last (ChunkKV) whether its masks kept an empty slot, and transformers reads the padded mask outside them
-    assert four[1] == one[1] and four[0] <= one[0] + 1 and four[2] <= one[2] + 1, (one, four)
+    if method in AS_ONE_ROW:
+        assert four[1] == one[1] and four[0] <= one[0] + 1 and four[2] <= one[2] + 1, (one, four)
 
 
 @pytest.mark.parametrize("method", sorted(set(METHODS.names()) - NOT_ON_TOY))

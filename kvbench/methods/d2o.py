@@ -214,7 +214,8 @@ class D2O(Method):
     def prefill(self, layer: KVLayer, ctx: PrefillContext) -> None:
         sums = prompt_column_sums(layer, ctx, self.chunk)  # (B, Hq, n)
         density = official_density if self.allocation == "official_code" else layer_density
-        self._density[ctx.layer_idx] = density(sums, ctx.key_valid)
+        rows = None if ctx.key_valid is None else [ctx.row_tokens(row) for row in range(sums.shape[0])]
+        self._density[ctx.layer_idx] = density(sums, rows)  # (left padding: slices of host ints, no read per row)
         if self.granularity == "query_head" and ctx.num_heads > layer.keys.shape[1]:
             expand_to_query_heads(layer, ctx.num_heads // layer.keys.shape[1])  # the code's repeat_kv cache
             layer.state["acc"] = sums

@@ -23,10 +23,11 @@ PASSES = {"key": [("key", ("keys", "values"))], "value": [("value", ("keys", "va
 
 
 # ---- layer level ---------------------------------------------------------------------------------------------------
-def layer_density(sums: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
+def layer_density(sums: torch.Tensor, key_valid) -> torch.Tensor:
     """F_l per row (A1.4 step 1): population variance over the row's real columns of the head-mean column sums.
 
-    sums: ``(B, Hq, n)`` per-query-head column sums; returns ``(B,)`` float64.
+    sums: ``(B, Hq, n)`` per-query-head column sums; ``key_valid``: None (every column), a ``(B, n)`` mask, or per row
+    its columns (``PrefillContext.row_tokens``: a slice where the batch is left-padded); returns ``(B,)`` float64.
     """
     mean_heads = sums.double().mean(1)  # (B, n); column sums are linear, so this is the sum of the head-mean A
     if key_valid is None:
@@ -37,10 +38,11 @@ def layer_density(sums: torch.Tensor, key_valid: torch.Tensor | None) -> torch.T
     return torch.stack(out)
 
 
-def official_density(sums: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
+def official_density(sums: torch.Tensor, key_valid) -> torch.Tensor:
     """The official code's F_l: per-query-head (unbiased) variance of the column sums, min-max normalised across
     heads, averaged over heads (``modeling_llama3_7b_13b_d2o.py``, ``multimodal_entropy``), in float32 as the code
-    computes it on a float32 model. Values lie in [0, 1), so softmax(-F) is nearly uniform. Returns ``(B,)``."""
+    computes it on a float32 model. Values lie in [0, 1), so softmax(-F) is nearly uniform. ``key_valid`` as
+    ``layer_density``'s. Returns ``(B,)``."""
     out = []
     for row in range(sums.shape[0]):
         s = sums[row].float() if key_valid is None else sums[row][:, key_valid[row]].float()

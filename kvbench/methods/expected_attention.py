@@ -133,8 +133,11 @@ class ExpectedAttention(ScorerMethod):
         pre = rotate_keys(ctx.queries.float(), -positions.float(), inv_freq)
         scores = torch.full(layer.keys.shape[:3], float("-inf"), device=layer.keys.device)
         for row in range(b):  # statistics over the row's own tokens, padding excluded
-            where = slice(None) if ctx.key_valid is None else ctx.key_valid[row]
-            queried = slice(None) if ctx.key_valid is None else ctx.key_valid[row, entries - n:]
+            where = ctx.row_tokens(row)  # (left padding: a slice of host ints, so indexing reads nothing back)
+            if isinstance(where, slice):  # the row's tokens are entries [where.start, entries): of the last n, these
+                queried = slice(max(0, n - (entries - (where.start or 0))), n)
+            else:
+                queried = ctx.key_valid[row, entries - n:]
             length = ctx.host_ints()[0][row]
             if length <= self.n_sink:
                 scores[row][:, where] = float("inf")

@@ -95,7 +95,7 @@ class KeyDiff(ScorerMethod):
             return keydiff_scores(keys)
         scores = torch.full(keys.shape[:3], float("-inf"), device=keys.device)
         for row in range(keys.shape[0]):  # the anchor is the mean over the row's own tokens, padding excluded
-            valid = ctx.key_valid[row]
+            valid = ctx.row_tokens(row)  # (left padding: a slice of host ints, so indexing reads nothing back)
             scores[row][:, valid] = keydiff_scores(keys[row][:, valid])
         return scores
 
@@ -112,9 +112,7 @@ class KeyDiff(ScorerMethod):
         else:  # row by row on the row's own tokens, as the row alone
             kept = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
             for row, cap in enumerate(caps):
-                where = torch.arange(keys.shape[2], device=keys.device)
-                if ctx.key_valid is not None:
-                    where = where[ctx.key_valid[row]]
+                where = torch.arange(keys.shape[2], device=keys.device)[ctx.row_tokens(row)]  # (no read: a slice)
                 if len(where) <= cap:
                     kept[row][:, where] = True
                     continue
