@@ -100,7 +100,7 @@ def test_a_content_methods_slots_only_grow_within_a_job(toy_llama):
 
 @pytest.mark.parametrize(("name", "budget"), [("pyramidkv", "0.5"), ("d2o", "0.5"), ("kvzip", "0.5"),
                                               ("kvzip", "256")])
-def test_a_ratio_budgets_layer_allocation_only_grows_within_a_job(toy_llama, name, budget):
+def test_a_layer_allocation_only_grows_within_a_job(toy_llama, name, budget):
     """A ratio budget sizes PyramidKV's layers per prompt, each layer its own count around the mean: the layers share
     one count, the longest prompt's largest layer's (``Method.prompt_entries``, 896 slots), where each sample's counts
     were a graph of their own (462, 1024, 462, 768 slots for the job's four samples, 3 graphs), and then a count that

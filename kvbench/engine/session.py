@@ -800,8 +800,8 @@ class CompressionSession:
         for idx in self._occupancy:
             if idx in self._static and idx not in fill:
                 self._layers[idx].entries = self._static_entries(idx, steps)
-                if self._occupancy[idx][2] is None:  # a layer counting its heads' own entries (a ragged one's) gained
-                    self._layers[idx].past_end = extra  # one per (row, head) at each step past the end; none left
+                if self._occupancy[idx][2] is None:  # its step frees none: each step past the end wrote one entry
+                    self._layers[idx].past_end = extra  # per (row, head) (what a ragged one's count leaves out)
             elif idx in fill:  # what it held after that step (its slots keep the later steps' entries and compressions)
                 held = self._captured_compression.held_at(steps, idx)
                 self._layers[idx].entries = fill[idx] if held is None else held
