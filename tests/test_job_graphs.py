@@ -244,6 +244,35 @@ def test_omnikvs_selection_of_every_prompt_replays_one_graph(toy_llama, budget, 
     assert len({slots for _, slots, _ in captured}) == 1 and graphs <= 1
 
 
+def test_a_jobs_short_last_batch_replays_the_jobs_graph(toy_llama):
+    """Five prompts at batch size four: the last batch, one row, ran its captured step at the bucket of one, a graph
+    and buffers of its own (on a GPU about a minute of inductor for an 8B model, in every job whose samples are not a
+    multiple of its batch size). With the job's rows (``job_rows``, which the job runner gives: its batch size, at
+    most the samples it runs) it runs at the bucket of four over the same buffers, its extra rows copies of its one:
+    one graph for the job; the tokens and records are the host-driven path's."""
+    b = Budget.parse("64")
+    method = build_method({"name": "h2o"}, b)
+    prompts = [_prompt(n, seed) for seed, n in enumerate(LENGTHS + [450])]
+    runs = {}
+    for compile in (False, "eager"):
+        release_slot_pool(toy_llama)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        out = []
+        for batch in (prompts[:4], prompts[4:]):
+            with CompressionSession(toy_llama, method, b, compile=compile, job_lengths=(max(LENGTHS), NEW),
+                                    job_rows=4 if compile else None) as session:
+                gen = greedy_generate(toy_llama, batch, NEW, [], 0)
+            keys = slot_pool(toy_llama)._held.get((0, "keys")) if compile else None
+            out.append((gen.tokens, gen.resident_kv_bytes_final, session.stats.resident_curve,
+                        session.stats.attended_tokens_mean,
+                        None if keys is None else (tuple(keys.shape), keys.data_ptr())))
+        runs[compile] = out, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    (eager, _), (captured, graphs) = runs[False], runs["eager"]
+    assert [r[:4] for r in captured] == [r[:4] for r in eager]
+    assert len({r[4] for r in captured}) == 1 and captured[0][4][0][0] == 4  # one buffer, four rows, for both
+    assert graphs <= 1
+
+
 def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):
     from kvbench.engine import graph
 
@@ -292,9 +321,9 @@ def test_the_job_runner_gives_every_session_the_whole_jobs_lengths(tmp_path, mon
 
     class Spy(CompressionSession):
         def __init__(self, *args, **kwargs):
-            seen.append(kwargs.get("job_lengths"))
+            seen.append((kwargs.get("job_lengths"), kwargs.get("job_rows")))
             super().__init__(*args, **{**kwargs, "compile": "eager"})  # dynamo's capture without inductor's kernels
 
     monkeypatch.setattr(kvbench.engine, "CompressionSession", Spy)
     run_job(graph_cfg)
-    assert seen == [(max(lengths), 6)]  # limit=1 ran the shorter sample, sized for the longer one
+    assert seen == [((max(lengths), 6), 1)]  # limit=1 ran the shorter sample, sized for the longer one, in one row

@@ -197,11 +197,11 @@ def captured_generate(session, model, next_token: torch.Tensor, last_pos: torch.
     pool = slot_pool(model).taker(("step",), next_token.device)
     # ``generated`` holds one read's columns (a ring), so its shape, and the graph, do not depend on the generation's
     # length (a bench's short warm-up and its measured runs replay one graph)
-    buffers = StepBuffers.allocate(next_token, last_pos + 1, bucket(rows), read_every, pool, sampling)
+    buffers = StepBuffers.allocate(next_token, last_pos + 1, session.bucket_rows(rows), read_every, pool, sampling)
     buffers.token_logp = session.token_logp(buffers.tokens)
     fn = session.captured_step_function()
     done = 0
-    with session.captured(bucket(rows), buffers.tensors(), buffers.step, read_every):
+    with session.captured(session.bucket_rows(rows), buffers.tensors(), buffers.step, read_every):
         kw = cache_kwargs(model, session.graph_cache())
         while done < steps:
             chunk = min(read_every, steps - done)

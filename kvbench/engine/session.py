@@ -137,7 +137,8 @@ class CompressionSession:
 
     def __init__(self, model, method: Method, budget: Budget, position_mode: str = "original",
                  sliding_layers: str = "auto", compile: bool | str = False, tokenizer=None,
-                 few_kernels: bool | None = None, job_lengths: tuple[int, int] | None = None):
+                 few_kernels: bool | None = None, job_lengths: tuple[int, int] | None = None,
+                 job_rows: int | None = None):
         if position_mode not in POSITION_MODES:
             raise ConfigError(f"position_mode={position_mode!r} is not valid; valid: {', '.join(POSITION_MODES)}")
         if sliding_layers not in SLIDING_POLICIES:
@@ -176,6 +177,9 @@ class CompressionSession:
         #: whose slot count follows the prompt for the longest, so a job's samples replay one graph over one set of
         #: buffers (the same addresses) instead of a graph per SLOT_ROUND bucket of prompt length, in the job's order
         self.job_lengths = job_lengths
+        #: the rows of the job's largest batch: a smaller batch of the job (its last, a resumed job's first) runs the
+        #: captured step at that batch's bucket too, replaying its graph over its buffers instead of compiling one more
+        self.job_rows = job_rows
         self._cache = None  # the cache container of the current forward (its layers are replaced by static ones)
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
@@ -296,6 +300,15 @@ class CompressionSession:
         """The generation loop announces how many tokens it may append (the slots a method that never evicts needs)."""
         self._reserve = decode_tokens
 
+    def bucket_rows(self, rows: int) -> int:
+        """The batch bucket a captured step of ``rows`` rows runs at: that of the job's largest batch where it is
+        larger (``job_rows``: the bucket's extra rows repeat the last one and are dropped; the buffers are the ones
+        the job's other batches hold), so a job's short last batch replays their graph instead of compiling its own
+        (about a minute of inductor for an 8B model)."""
+        from kvbench.engine.graph import bucket
+
+        return bucket(max(rows, self.job_rows or 0))
+
     def _job_slots(self, idx: int, policy: StaticPolicy, caps: list[int], compression) -> int | None:
         """The slots layer ``idx`` would take for the job's longest prompt and most new tokens (``job_lengths``): what
         the layer keeps of that prompt (all of it where the method does not act on the layer; else
@@ -356,8 +369,6 @@ class CompressionSession:
 
     def _to_static(self) -> None:
         """After prefill: every layer becomes a StaticKVLayer with the slots its decode steps need."""
-        from kvbench.engine.graph import bucket
-
         self._static.clear()
         self._occupancy.clear()
         self._chosen.clear()
@@ -368,7 +379,7 @@ class CompressionSession:
         pool = slot_pool(self.model)
         first = self._layers[min(self._attention_layers)]
         b, device = first.keys.shape[0], first.keys.device
-        rows = bucket(b)  # every buffer at the captured step's batch bucket, allocated once
+        rows = self.bucket_rows(b)  # every buffer at the captured step's batch bucket, allocated once
         # a layer's slot count follows the prompt's length where the prompt is not compressed to a fixed size (FullKV,
         # ratio budgets, prompts within the budget): each count would be a graph of its own (a recompile per sample of
         # a LongBench job), so such counts are rounded up to SLOT_ROUND; the empty slots are layout, not resident bytes

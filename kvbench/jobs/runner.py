@@ -89,7 +89,8 @@ def run_job(cfg: DictConfig, loaded: Any = None, prepared: Job | None = None) ->
             return CompressionSession(loaded.model, job.method, job.budget, position_mode=cfg.position_mode,
                                       tokenizer=loaded.tokenizer,
                                       sliding_layers=cfg.get("sliding_layers", "auto"),
-                                      compile=job.decode == "graph", job_lengths=lengths)
+                                      compile=job.decode == "graph", job_lengths=lengths,
+                                      job_rows=None if lengths is None else min(cfg.batch_size, len(todo)))
 
         answerer = EngineAnswerer(loaded, new_session, job.budget)  # answers the requests of tasks with own loops
         strict = bool(cfg.get("strict", False))
