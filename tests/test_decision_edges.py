@@ -267,6 +267,11 @@ class _Session:
 
         return decode_step
 
+    def bucket_rows(self, rows):
+        from kvbench.engine.graph import bucket
+
+        return bucket(rows)
+
     def captured(self, rows, tensors, column=None, columns=1):
         import contextlib
 
