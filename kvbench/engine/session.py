@@ -452,8 +452,6 @@ class CompressionSession:
             if content:  # never fewer than this method's layers have had for this budget and bucket: a sample whose
                 # allocation needs less than an earlier one's replays that graph (it only grows, a few times a job)
                 shared = pool.marks[mark] = max(shared, pool.marks.get(mark, 0))
-            if content and needs:
-                shared = slots = max(shared, slots)
         if content and needs:  # heads of their own lengths in this sample (KVzip's, AdaKV's): the job's mark too, so
             # that a sample whose layers stay uniform (a prompt within the budget) replays the count a ragged one grew
             slots = pool.marks[mark] = max(slots, pool.marks.get(mark, 0))
@@ -476,9 +474,8 @@ class CompressionSession:
             if compresses:
                 self._captured_layer(compression, idx, layer, static, rows, pool)
             if policy.choose is not None:  # a selection later layers attend through (OmniKV's filter layer)
-                source, width = policy.selection
-                width = static.values.shape[2] if width is None else width  # None: as wide as the layer's slots
-                chosen = pool.take(("chosen", source), (rows, 1, width), torch.bool, device)
+                source = policy.selection  # as wide as the layer's slots
+                chosen = pool.take(("chosen", source), (rows, 1, static.values.shape[2]), torch.bool, device)
                 self._chosen[source] = self._row_base(("chosen", source), chosen.zero_(), b)
             if policy.shared is not None:  # logits the layers naming the buffer write and read (POD's distant ones)
                 hkv, slots_count = static.values.shape[1], static.values.shape[2]
@@ -659,7 +656,7 @@ class CompressionSession:
         (the first decode step) and inside the captured step."""
         policy, capacity = self._static[idx]
         spec = self.layer_specs[idx]
-        chosen = self._chosen.get(policy.selection[0]) if policy.selection is not None else None
+        chosen = self._chosen.get(policy.selection) if policy.selection is not None else None
         shared = self._shared.get(policy.shared) if policy.shared is not None else None
         if policy.source is not None:  # another layer's slots, this step's entry written there already (CLA)
             layer = self._layers[self.compressed[policy.source]]
@@ -731,8 +728,9 @@ class CompressionSession:
             layer.captured = True
         self._view_rows(rows, pad_from=real)
         device = layers[0].keys.device
-        attended = slot_pool(self.model).take(("attended",), (columns,), torch.long, device).zero_()
-        self._real_rows = slot_pool(self.model).take(("real_rows",), (rows,), torch.long, device).zero_()
+        pool = slot_pool(self.model)
+        attended = pool.take(("attended",), (columns,), torch.long, device).zero_()
+        self._real_rows = pool.take(("real_rows",), (rows,), torch.long, device).zero_()
         self._real_rows[:real] = 1  # the batch's rows among the bucket's (StepSlots.rows: the attended mean's)
         self._attended_acc = attended
         self._attended_column = column

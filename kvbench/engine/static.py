@@ -91,8 +91,8 @@ class StaticPolicy:
       slots (PyramidInfer's attention from each of the last W queries, ``(B, 1, C, R)``);
     * ``params``: the method's constants its functions read (its sinks, recent window, page sizes, merge settings);
     * ``slot_multiple``: the layer's slot count a multiple of this (Quest's pages);
-    * ``selection``: ``(layer, width)`` of the shared selection this layer writes (with ``choose``) or reads (width
-      None: the writer's slot count);
+    * ``selection``: the layer whose shared selection this layer writes (with ``choose``) or reads, ``(B, 1, C)``
+      over the writer's slots;
     * ``key_window``: ``(sinks, recent)``: the layer keeps keys for its first ``sinks`` entries and its last
       ``recent`` only (values for every entry: POD's layers that use only other layers' distant logits), in a ring of
       ``sinks + recent`` key slots (entry ``j``'s key in slot ``j`` below ``sinks``, else ``sinks + (j - sinks) %
@@ -126,7 +126,7 @@ class StaticPolicy:
     needs_probs: bool = False
     params: tuple = ()
     slot_multiple: int = 1
-    selection: tuple[int, int | None] | None = None
+    selection: int | None = None
     shared: str | None = None
     key_window: tuple[int, int] | None = None
     entries: Callable[[int, int], int] | None = None
@@ -139,7 +139,7 @@ class StaticPolicy:
         if self.attention is not None and (self.needs_probs or self.accumulate):
             raise ValueError("StaticPolicy: a method's own attention gives no probabilities to need or accumulate")
         if self.choose is not None and self.selection is None:
-            raise ValueError("StaticPolicy: choose writes a shared selection, which needs selection=(layer, width)")
+            raise ValueError("StaticPolicy: choose writes a shared selection, which needs selection=<its layer>")
 
 
 def evict_one(valid: torch.Tensor, key: torch.Tensor, capacity: torch.Tensor) -> None:

@@ -234,11 +234,11 @@ class OmniKV(Method):
         n, num_layers = self._prefill_len, self._num_layers
         if not num_layers or self.selected_tokens(n, num_layers) >= n:
             return StaticPolicy()  # every layer attends densely (the default path's ``_choose`` gives None)
-        if layer_idx in self.filters(num_layers):  # (the selection as wide as the layer's slots: selection width None)
-            return StaticPolicy(choose=static_choice, selection=(layer_idx, None),
+        if layer_idx in self.filters(num_layers):  # (the selection as wide as the layer's slots)
+            return StaticPolicy(choose=static_choice, selection=layer_idx,
                                 params=(self.selector, self.window_reading))
         source = self._segment_filter(layer_idx, num_layers)
-        return StaticPolicy() if source is None else StaticPolicy(attend=static_segment, selection=(source, None))
+        return StaticPolicy() if source is None else StaticPolicy(attend=static_segment, selection=source)
 
     def static_state(self, layer: KVLayer, layer_idx: int, slots: int):
         """The prompt's length and the tokens a sparse layer attends, ``(B, 2)`` (``omnikv_sizes``): device values of

@@ -91,11 +91,14 @@ class PyramidKV(SnapKV):
                               "(schedule=kvfactory_2409); docs/baseline_readings.md says which table used which")
         check_choice(self.name, "schedule", self.schedule, SCHEDULES)
 
+    def _entries(self, capacity: int, n: int, num_layers: int) -> list[int]:
+        """Tokens each layer keeps of a prompt of ``n`` tokens under ``capacity`` per layer (window included)."""
+        return [self.window + c for c in pyramid_capacity(capacity, n, self.window, self.beta, num_layers,
+                                                          self.schedule)]
+
     def prompt_entries(self, budget: Budget, prompt_len: int, num_layers: int) -> list[int]:
-        return [self.window + c for c in pyramid_capacity(budget.tokens_for(prompt_len), prompt_len, self.window,
-                                                          self.beta, num_layers, self.schedule)]
+        return self._entries(budget.tokens_for(prompt_len), prompt_len, num_layers)
 
     def layer_capacity(self, ctx: PrefillContext) -> list[int]:
         """Tokens this layer keeps per row (window included), host ints (the pyramid is host arithmetic: no read)."""
-        return [self.window + pyramid_capacity(int(c), int(n), self.window, self.beta, ctx.num_layers,
-                                               self.schedule)[ctx.layer_idx] for n, c in zip(*ctx.host_ints())]
+        return [self._entries(int(c), int(n), ctx.num_layers)[ctx.layer_idx] for n, c in zip(*ctx.host_ints())]
