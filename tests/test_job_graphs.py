@@ -14,7 +14,9 @@ window, Quest's page budget and CaM's start and recent counts follow each row's 
 the budget, or a ratio budget, made them graph constants of its own: CaM compiled a graph per sample), and Quest's
 layers, which keep every entry, take the job's longest prompt. Pinned as counts and addresses; the tokens, the final
 resident bytes and the resident curve stay the host-driven path's (the slots a short prompt's layers take for the
-job's longest are layout, not memory the method keeps).
+job's longest are layout, not memory the method keeps). The job's count is rounded up to 256 (``SLOT_ROUND``), so the
+jobs of a sweep whose budgets or new tokens differ by less share a graph too (LongBench's datasets take 32, 64, 128 or
+512 new tokens: SnapKV at budgets 64 and 128 over them took 8 counts, 8 graphs; now 2).
 """
 
 from __future__ import annotations
@@ -76,11 +78,12 @@ def test_a_jobs_samples_replay_one_graph_over_one_buffer(toy_llama, name, budget
 
 
 def test_a_content_methods_slots_only_grow_within_a_job(toy_llama):
-    """DynamicKV's layers hold what its allocation gives each (here 63-129 entries around a budget of 96): a sample
-    whose largest layer needs more than the job's count takes its own (192), and the samples after it, needing less,
-    kept it instead of returning to 128 (a second graph, and buffers at new addresses: on a GPU a graph recorded again).
+    """DynamicKV's layers hold what its allocation gives each (here 218-275 entries around a budget of 240): a sample
+    whose largest layer needs more than the job's count (240 + 12, rounded up to 256) takes its own (275 + 12, rounded
+    up to 320), and the samples after it, needing less,
+    kept it instead of returning to 256 (a second graph, and buffers at new addresses: on a GPU a graph recorded again).
     The tokens and each sample's memory stay the host-driven path's."""
-    b = Budget.parse("96")
+    b = Budget.parse("240")
     method = build_method({"name": "dynamickv"}, b)
     release_slot_pool(toy_llama)
     job = [(700, 5), (300, 0), (900, 1), (130, 2)]  # the first sample's allocation needs the most
@@ -94,7 +97,7 @@ def test_a_content_methods_slots_only_grow_within_a_job(toy_llama):
             out.append((gen.tokens, gen.resident_kv_bytes_final, session.stats.resident_curve,
                         None if keys is None else (keys.shape[-2], keys.data_ptr())))
         runs[compile] = out
-    assert {slots for *_, slots in runs["eager"]} == {(192, runs["eager"][0][3][1])}
+    assert {slots for *_, slots in runs["eager"]} == {(320, runs["eager"][0][3][1])}
     assert [r[:3] for r in runs["eager"]] == [r[:3] for r in runs[False]]
 
 
@@ -102,13 +105,14 @@ def test_a_content_methods_slots_only_grow_within_a_job(toy_llama):
                                               ("kvzip", "256")])
 def test_a_layer_allocation_only_grows_within_a_job(toy_llama, name, budget):
     """A ratio budget sizes PyramidKV's layers per prompt, each layer its own count around the mean: the layers share
-    one count, the longest prompt's largest layer's (``Method.prompt_entries``, 896 slots), where each sample's counts
-    were a graph of their own (462, 1024, 462, 768 slots for the job's four samples, 3 graphs), and then a count that
-    grew at the longest prompt (2 graphs). D2O's allocation follows the content (``capacities_from_content``): its
-    count only grows within the job (the most any layer needs, rounded up). So do KVzip's heads, each holding what
-    the scores give it (a ragged layer: its longest head): 320, 384, 320, 384 slots at 256 before (3 graphs; the
-    third prompt, within the budget, kept its layers uniform and took a count of its own), 320, 384, 384, 384 now.
-    The tokens and each sample's memory stay the host-driven path's."""
+    one count, the longest prompt's largest layer's (``Method.prompt_entries``: 870 + 12, rounded up to 1024 slots),
+    where each sample's counts were a graph of their own (462, 1024, 462, 768 slots for the job's four samples, 3
+    graphs), and then a count that grew at the longest prompt (2 graphs). D2O's allocation follows the content
+    (``capacities_from_content``): its count only grows within the job (the most any layer needs, rounded up). So do
+    KVzip's heads, each holding what the scores give it (a ragged layer: its longest head): 320, 384, 320, 384 slots
+    at 256 before (3 graphs; the third prompt, within the budget, kept its layers uniform and took a count of its
+    own), then 320, 384, 384, 384, and 512 for all four since a job's count is rounded up to 256 (256 + 12 -> 512:
+    the job's count holds every head). The tokens and each sample's memory stay the host-driven path's."""
     eager, _ = _job(toy_llama, name, budget, False)
     captured, graphs = _job(toy_llama, name, budget, "eager", job_lengths=(max(LENGTHS), NEW))
     assert [t for t, _, _ in captured] == [t for t, _, _ in eager]
@@ -117,7 +121,9 @@ def test_a_layer_allocation_only_grows_within_a_job(toy_llama, name, budget):
     assert counts == sorted(counts) and len(set(counts)) <= 2, counts  # grows once: at the longest prompt (second)
     assert graphs <= 2
     if name == "pyramidkv":  # host arithmetic: the job's count from the first sample on
-        assert set(counts) == {896} and graphs <= 1
+        assert set(counts) == {1024} and graphs <= 1
+    if (name, budget) == ("kvzip", "256"):  # the job's rounded count holds every head of every sample
+        assert set(counts) == {512} and graphs <= 1
 
 
 @pytest.mark.parametrize(("name", "budget"), [("pod", "128"), ("triattention", "256")])
@@ -287,9 +293,9 @@ def test_without_the_jobs_lengths_each_bucket_is_a_graph_of_its_own(toy_llama):
 def test_a_layer_that_needs_more_than_the_jobs_longest_takes_its_own_count(toy_llama):
     """Job lengths that understate the job (a caller's mistake, or a per-layer allocation above the budget's mean)
     never cut a layer short: a sample that needs more takes its own rounded count, as without them; the others the
-    job's (200 + 12)."""
+    job's (200 + 12, rounded up to 256)."""
     captured, _ = _job(toy_llama, "fullkv", "full", "eager", job_lengths=(200, NEW))
-    assert [slots for _, (slots, _), _ in captured] == [512, 1024, 212, 768]
+    assert [slots for _, (slots, _), _ in captured] == [512, 1024, 256, 768]
 
 
 def test_the_job_runner_gives_every_session_the_whole_jobs_lengths(tmp_path, monkeypatch, tokenizer):
@@ -327,3 +333,35 @@ def test_the_job_runner_gives_every_session_the_whole_jobs_lengths(tmp_path, mon
     monkeypatch.setattr(kvbench.engine, "CompressionSession", Spy)
     run_job(graph_cfg)
     assert seen == [((max(lengths), 6), 1)]  # limit=1 ran the shorter sample, sized for the longer one, in one row
+
+
+@pytest.mark.parametrize(("name", "jobs"), [
+    ("snapkv", [("64", 12), ("128", 40), ("64", 40), ("128", 12)]),
+    ("h2o", [("64", 12), ("128", 40)]),
+    ("fullkv", [("full", 12), ("full", 40)]),
+])
+def test_a_sweeps_jobs_of_other_budgets_and_new_tokens_share_a_graph(toy_llama, name, jobs):
+    """A sweep worker runs job after job on one loaded model: LongBench's datasets ask for 32, 64, 128 or 512 new
+    tokens, and a sweep runs several budgets. A job's count was its budget (or longest prompt) plus its new tokens
+    exactly, a graph per (budget, new tokens) (SnapKV: 76, 104, 140, 168 slots, 4 graphs of about a minute of inductor
+    each for an 8B model); rounded up to 256 it is one count, one buffer and one graph for all four jobs. Each job's
+    tokens are the host-driven path's."""
+    release_slot_pool(toy_llama)
+    torch._dynamo.reset()  # a count an earlier test of this worker compiled would be reused, not counted
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    slots = set()
+    for budget, new in jobs:
+        b = Budget.parse(budget)
+        method = build_method({"name": name}, b)
+        prompt = _prompt(max(LENGTHS), new)
+        runs = []
+        for compile in (False, "eager"):
+            with CompressionSession(toy_llama, method, b, compile=compile, job_lengths=(max(LENGTHS), new)):
+                runs.append(greedy_generate(toy_llama, [prompt], new, [], 0).tokens)
+        assert runs[0] == runs[1]
+        keys = slot_pool(toy_llama)._held[(0, "keys")]
+        slots.add((keys.shape[-2], keys.data_ptr()))
+    from kvbench.engine import graph
+
+    assert len(slots) == 1, slots
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == (1 if graph.STATUS.get("captured") else 0)

@@ -314,15 +314,18 @@ class CompressionSession:
         the layer keeps of that prompt (all of it where the method does not act on the layer; else
         ``Method.prompt_entries``: all of it for Quest, POD and TriAttention, which keep it, PyramidKV's pyramid,
         PyramidInfer's contexts, the budget's tokens for the others) plus what the layer appends, by
-        the same rule as the sample's own count. None without job lengths. A sample whose layer needs more (a
-        per-layer allocation above the budget's mean) takes its own count, as without job lengths."""
+        the same rule as the sample's own count, rounded up to ``SLOT_ROUND``: a sweep worker's jobs whose budgets or
+        new tokens differ by less (LongBench's datasets: 32 to 512 new tokens) replay one graph over one buffer. None
+        without job lengths. A sample whose layer needs more (a per-layer allocation above the budget's mean) takes
+        its own count, as without job lengths."""
         if self.job_lengths is None:
             return None
         longest, new_tokens = self.job_lengths
         held = longest
         if idx in self._method_index and not self.budget.is_full:
             held = self.method.prompt_entries(self.budget, longest, len(self.compressed))[self._method_index[idx]]
-        return held + _extra_slots(policy, caps, held, compression, self.budget, max(self._reserve, new_tokens))
+        count = held + _extra_slots(policy, caps, held, compression, self.budget, max(self._reserve, new_tokens))
+        return count + -count % SLOT_ROUND
 
     def _check_static(self) -> None:
         """Refuse a method without a static decode step (``Method.static_policy``), before any forward."""
