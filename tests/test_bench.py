@@ -486,6 +486,8 @@ def test_a_captured_cell_counts_the_tokens_equal_to_the_host_driven_path(monkeyp
     kwargs = dict(metrics=["decode"], new_tokens=8, warmup=0, repeats=1, compile="eager")
     result = measure.measure_cell(loaded, method, budget, 128, 2, **kwargs)
     assert (result.decode_eager_equal_tokens, result.decode_eager_equal_bytes) == (8, True)
+    # fed to the host-driven path, every captured token is its argmax (fp32: the two paths agree to 1e-7)
+    assert (result.decode_eager_forced_gap, result.decode_eager_forced_argmax) == (0.0, 1.0)
     real, calls = measure.greedy_generate, []
 
     def parting(*args, **kw):  # the timed (captured) run's second row parts from the host-driven path at token 5
@@ -498,7 +500,13 @@ def test_a_captured_cell_counts_the_tokens_equal_to_the_host_driven_path(monkeyp
     monkeypatch.setattr(measure, "greedy_generate", parting)
     result = measure.measure_cell(loaded, method, budget, 128, 2, **kwargs)
     assert result.decode_eager_equal_tokens == 5 and len(calls) == 2
+    # fed to the host-driven path, the parted token is below its choice at that step (and the tokens after it were
+    # chosen after another token): a gap, and not every token the argmax
+    assert result.decode_eager_forced_gap > 0 and result.decode_eager_forced_argmax < 1
     rows = [{"method": "h2o", "budget": "64", "context_length": 128, "batch_size": 2, **result.as_dict()}]
     [verdict] = judge(rows, [{"name": "t", "metric": "decode_eager_equal_tokens", "context_length": 128,
                               "methods": ["h2o"], "min_value": 8}], None)
     assert (verdict["value"], verdict["bound"], verdict["ok"]) == (5, ">= 8", False)
+    [verdict] = judge(rows, [{"name": "t", "metric": "decode_eager_forced_gap", "context_length": 128,
+                              "methods": ["h2o"], "max_value": 0.5}], None)
+    assert verdict["value"] == result.decode_eager_forced_gap and verdict["ok"] == (verdict["value"] <= 0.5)

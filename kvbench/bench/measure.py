@@ -61,6 +61,14 @@ class CellResult:
     #: bf16), and whether the two report the same final resident bytes
     decode_eager_equal_tokens: int | None = None
     decode_eager_equal_bytes: bool | None = None
+    #: with the captured decode: its last timed run's tokens fed to the host-driven path (``forced_gaps``), the most
+    #: any of them is below the host-driven choice at its step, in logits (0: every one is the host-driven argmax),
+    #: and the share that are exactly the argmax. A random-weight model's logits tie within bf16's rounding often,
+    #: so two correct paths part at a tie (the leading tokens above stop there); a wrong cache puts the captured
+    #: tokens logits below (on a CPU in bf16: at most 0.062 for the captured path, 32 random layers of Llama-3-8B's
+    #: shapes; 2-7 for FullKV's tokens under SnapKV's, StreamingLLM's or H2O's cache at 128, 4 such layers)
+    decode_eager_forced_gap: float | None = None
+    decode_eager_forced_argmax: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -266,10 +274,44 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
                 eager = greedy_generate(model, prompts, new_tokens, [], loaded.tokenizer.pad_token_id)
             result.decode_eager_equal_tokens = min(_common_prefix(a, b) for a, b in zip(outs[-1].tokens, eager.tokens))
             result.decode_eager_equal_bytes = outs[-1].resident_kv_bytes_final == eager.resident_kv_bytes_final
+            gaps = forced_gaps(model, method, budget, prompts, outs[-1].tokens, tok)
+            result.decode_eager_forced_gap = round(float(gaps.max()), 4)
+            result.decode_eager_forced_argmax = round(float((gaps == 0).float().mean()), 4)
         if "kernels" in metrics:  # after the timed runs: the captured step's graphs are warm
             result.decode_kernels = _profiled(decode_kernels, model, method, budget, prompts, tok, compile=compile)
         release_slot_pool(model)  # the captured decode's buffers stay out of the next cell's memory
     return result
+
+
+@torch.inference_mode()
+def forced_gaps(model, method: Method, budget: Budget, prompts: list[list[int]], tokens: list[list[int]],
+                tokenizer=None) -> torch.Tensor:
+    """How far below the host-driven path's choice each of ``tokens`` is: the prompts (equal lengths, no padding) and
+    then ``tokens`` fed to the host-driven path in a session of ``method`` (teacher forcing, one token per forward,
+    as ``greedy_generate`` decodes), and at every step ``max(logits) - logits[token]`` in float32, ``(B, steps)``: 0
+    where the token is the host-driven argmax. Two correct paths whose kernels differ (the captured step's and the
+    host-driven one's) choose differently where two logits tie within the dtype's rounding; a random-weight model's
+    logits tie often (llama3-8b-random's 32 layers in bf16 on a CPU, a 256-token prompt: top-2 margins of exactly 0
+    at 3 of 32 steps, and the captured path, dynamo's graph run eagerly, parted from the host-driven one at the first,
+    step 20), so comparing generations stops at the first tie, where this checks every token the captured path
+    chose (there: gaps of at most 0.062, two bf16 rounding steps of logits near 5.5)."""
+    device = model.device
+    n = len(prompts[0])
+    steps = min(len(t) for t in tokens)
+    ids = torch.tensor(prompts, device=device)
+    chosen = torch.tensor([t[:steps] for t in tokens], device=device)
+    gaps = torch.empty(len(prompts), steps, dtype=torch.float32, device=device)
+    cache = KVCache()
+    with CompressionSession(model, method, budget, tokenizer=tokenizer):
+        out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        for t in range(steps):
+            logits = out.logits[:, -1].float()
+            gaps[:, t] = logits.amax(-1) - logits.gather(-1, chosen[:, t : t + 1]).squeeze(-1)
+            if t + 1 < steps:
+                position = torch.full((len(prompts), 1), n + t, device=device)
+                out = model(input_ids=chosen[:, t : t + 1], position_ids=position, **cache_kwargs(model, cache),
+                            use_cache=True)
+    return gaps.cpu()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

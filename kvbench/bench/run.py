@@ -14,7 +14,8 @@ the budget's bytes (``resident_kv_bytes_decode_max``, a decode's peak: against t
 generated tokens), or ``max_budget_plus_tokens``: the value at most the budget's bytes plus that many tokens' (a
 decode compression's interval, whatever the budget), or ``max_floor_ratio``: decode ms per step at most that many
 times the cell's floor, or ``max_value`` / ``min_value``: the value itself at most / at least that (the captured
-decode's ``decode_eager_equal_tokens``: leading tokens equal to the host-driven path's)). A prefill target on a
+decode's ``decode_eager_equal_tokens``: leading tokens equal to the host-driven path's; ``decode_eager_forced_gap``:
+how far below the host-driven path's choice its tokens are, fed to it)). A prefill target on a
 paired cell uses the median of the per-pair ratios.
 
 ``floor: {copy_mib, warmup, repeats}`` (bench level) measures the device's copy bandwidth once per run
