@@ -10,7 +10,9 @@ run eagerly: ``compile="eager"``; on a GPU, inductor's kernels) parts from it, e
 host-driven choice when fed to it, and, with ``--wrong``, the gaps of FullKV's tokens under other methods' caches (what
 a wrong cache looks like). Measured 2026-11-29 on this project's CPU (torch 2.13, bf16): 32 layers, 256 tokens: margins
 of exactly 0 at 3 of 32 steps, parted at step 20, gaps at most 0.062; 4 layers, 512 tokens: parted at step 18, gaps
-at most 0.031, wrong caches (SnapKV, StreamingLLM, H2O at 128) 2-7 logits.
+at most 0.031, wrong caches (SnapKV, StreamingLLM, H2O at 128) 2-7 logits; 4 layers, 512 essay tokens (``--essay``,
+the bench's prompts): exact ties at steps 20 and 27, the captured tokens the host-driven argmax at every step, wrong
+caches 6.4-7.4 logits.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--method", default="fullkv")
     parser.add_argument("--budget", default="128")
     parser.add_argument("--wrong", nargs="*", default=[], help="methods whose cache FullKV's tokens are fed through")
+    parser.add_argument("--essay", action="store_true", help="an essay's tokens (the bench's prompts), not random ids")
     args = parser.parse_args()
 
     arch = dict(layers=args.layers, heads=32, kv_heads=8, head_dim=128, hidden=4096, intermediate=14336, seed=0,
@@ -41,7 +44,19 @@ def main() -> None:
     model = build_tiny_llama(arch, vocab_size=49152, context_length=8192, bos_token_id=1, eos_token_id=2,
                              pad_token_id=0, attn_implementation="sdpa", device="cpu",
                              dtype=torch.bfloat16).eval().requires_grad_(False)
-    prompt = torch.randint(3, 49000, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+    if args.essay:
+        from kvbench.bench.measure import essay_tokens
+        from kvbench.models.loading import (
+            DEFAULT_EMBEDDED,
+            EMBEDDED_MODELS,
+            converted_tokenizer,
+            embedded_tokenizer_dir,
+        )
+
+        tokenizer = converted_tokenizer(embedded_tokenizer_dir(), EMBEDDED_MODELS[DEFAULT_EMBEDDED])
+        prompt = essay_tokens(tokenizer, args.prompt)
+    else:
+        prompt = torch.randint(3, 49000, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     budget = Budget.parse(None if args.method == "fullkv" else args.budget)
     method = build_method({"name": args.method}, budget)
     logits: list[torch.Tensor] = []

@@ -12,6 +12,9 @@
 2. bfloat16 on the GPU, a left-padded batch of two prompts: every method generates 16 tokens with torch's SDPA
    restricted to its FlashAttention-2 kernel (``sdpa_kernel(FLASH_ATTENTION)``); a method whose attention calls
    cannot use that kernel (an explicit mask, float32 scores) is run again with every SDPA kernel and marked so.
+   Each row's tokens are then fed to the method on that row alone (``kvbench.bench.measure.forced_gaps``): every
+   token must be that path's choice within ``MAX_BF16_GAP`` logits (``gap_vs_alone``; the tokens themselves are not
+   compared: a random model's bf16 logits tie often, and a padded row's kernels round otherwise).
    Batch-1-only methods are refused with their own error, which is recorded, not counted as a failure.
 
 Every registered method runs (``kvbench.methods`` catalog), with the model's tokenizer in the session (KVzip feeds the
@@ -45,7 +48,7 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvbench.bench.measure import essay_tokens  # noqa: E402
+from kvbench.bench.measure import essay_tokens, forced_gaps  # noqa: E402
 from kvbench.bench.run import method_config  # noqa: E402
 from kvbench.budget import Budget, parse_budget  # noqa: E402
 from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate  # noqa: E402
@@ -54,6 +57,14 @@ from kvbench.methods import METHODS, build_method  # noqa: E402
 from kvbench.models import load_model, spec_from_config  # noqa: E402
 
 MIN_OVERLAP, MAX_LOGIT_DIFF = 0.98, 1e-3
+# bf16, a padded batch's tokens fed to each row alone (``forced_gaps``): the most a token may be below the row-alone
+# path's choice, in logits. Calibrated on a CPU (2026-11-29, smollm2-135m-random in bf16, 1,024 and 512 tokens): the
+# padded batch's tokens are the row-alone argmax exactly (gap 0.0: FullKV, SnapKV, H2O, AdaKV, D2O); a wrong cache
+# (the rows' tokens swapped, another method's cache, FullKV's) puts them 0.04-0.58 below on this random model, whose
+# greedy output repeats a token or two, so this bound catches gross faults only here (on llama3-8b-random's shapes a
+# wrong cache is 6-7 logits below: scripts/bf16_ties.py). A GPU's kernels round otherwise: a few bf16 steps (0.03 each
+# near these logits) stay far inside it
+MAX_BF16_GAP = 0.5
 # Methods that draw random numbers from the device's own generator: the same seed would give different draws on a CPU
 # and a GPU, so their logits would be reported, not judged, across devices. None: CaM draws its prefill merges from a
 # CPU generator and its decode merges from a hash of the token's position, the same on every device.
@@ -139,8 +150,13 @@ def bf16_flash(name, model, budget, prompts, pad_id, tokenizer) -> dict:
         except KVBenchError as refusal:  # batch-1-only methods refuse the padded batch
             return {"ok": True, "refused": str(refusal).splitlines()[0]}
         kernel = f"any (flash refused: {str(exc).splitlines()[0][:80]})"
-    return {"ok": all(len(t) == 16 for t in tokens), "lengths": [len(p) for p in prompts], "sdpa_kernel": kernel,
-            "resident_kv_bytes": resident}
+    # each row's tokens fed to the same method on that row alone (no padding, any SDPA kernel): the most any token is
+    # below that path's choice, in logits; a random model's bf16 logits tie often, so a token that differs within
+    # the rounding is no fault, where a row that attends padding or keeps another row's entries is logits below
+    gaps = [float(forced_gaps(model, build(name, budget), budget, [p], [t], tokenizer).max())
+            for p, t in zip(prompts, tokens)]
+    return {"ok": all(len(t) == 16 for t in tokens) and max(gaps) <= MAX_BF16_GAP, "lengths": [len(p) for p in prompts],
+            "sdpa_kernel": kernel, "resident_kv_bytes": resident, "gap_vs_alone": round(max(gaps), 4)}
 
 
 def run_phase(label, name, report, fn, deadline) -> dict:

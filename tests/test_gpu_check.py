@@ -40,6 +40,30 @@ def test_cpu_dry_run_reads_ragged_caches_and_runs_kvzip(gpu_check, tmp_path):
         assert row["ok"] and row["length"] == 256
     assert fp32["adakv"]["kept_entries"] > 0.9 * 4 * 2 * 128  # the ragged layers' entries, not an empty tail
     assert report["failed"] == [] and report["deadline_seconds"] is None
+    # bf16, the padded batch's tokens fed to each row alone: on one device the same choices (KVzip refuses batches)
+    bf16 = {name: rows["bf16_batch2"] for name, rows in report["methods"].items()}
+    assert "refused" in bf16["kvzip"]
+    assert [bf16[name]["gap_vs_alone"] for name in ("adakv", "snapkv")] == [0.0, 0.0]
+
+
+def test_a_padded_row_that_parts_from_its_row_alone_fails(gpu_check, tmp_path, monkeypatch):
+    """A padded batch whose second row's tokens are not what that row alone chooses (here: ids shifted from the first
+    row's, as a row decoding over a wrong cache might produce) fails the bf16 check, and says by how much."""
+    real = gpu_check.generate
+
+    def crossed(model, method, budget, prompts, new_tokens, pad_id, tokenizer):
+        tokens, resident = real(model, method, budget, prompts, new_tokens, pad_id, tokenizer)
+        if len(prompts) == 2:
+            tokens = [tokens[0], [(t + 7) % 200 + 3 for t in tokens[0]]]
+        return tokens, resident
+
+    monkeypatch.setattr(gpu_check, "generate", crossed)
+    monkeypatch.setattr(gpu_check, "compare_devices", lambda *a, **k: {"ok": True})
+    out = tmp_path / "check.json"
+    code = gpu_check.main(["--device", "cpu", "--model", "tiny-random", "--length", "256", "--methods", "snapkv",
+                           "--out", str(out)])
+    row = json.loads(out.read_text())["methods"]["snapkv"]["bf16_batch2"]
+    assert code == 1 and row["ok"] is False and row["gap_vs_alone"] > gpu_check.MAX_BF16_GAP, row
 
 
 def test_kept_positions_reads_a_ragged_layer(gpu_check):
