@@ -85,6 +85,9 @@
 # prefill 5 s, bench 5 s, check 7 s: 31/31 methods), every step passed, no Hydra plugin import error (f354b07), a
 # 12 kB session.tgz (no figures without matplotlib). The profiler's "gpuGetDeviceCount failed with code 35" on a CUDA
 # build without a GPU is torch's, harmless.
+# Again 2026-11-29 at ea90ed1 the same way (torch 2.11.0, transformers 5.17.0; gpu_check's bf16 phase now judges each
+# padded row's teacher-forced gap to the row alone): 66 s (install 0 s, bench:0 38 s, prefill 7 s, bench 6 s, check
+# 11 s: 31/31 methods, every gap_vs_alone 0.0), every step passed, a 144 kB session.tgz.
 # On this project's lent GPU (the device tool's `run`, from the checkout's root; .kvbundle is ignored, so it is named
 # in carry; $OUT/session.tgz comes back):
 #   carry [".kvbundle"], timeout_s 600, command:
