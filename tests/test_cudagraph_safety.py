@@ -16,17 +16,19 @@ input mutations kept in the graph, as ``compile_fx`` traces it):
 * control flow (``torch.cond``, ``while_loop``: inductor disables CUDA graphs for them).
 
 Every method with a captured step, at batch 1; a padded batch of three rows in the bucket of four; a sampled
-generation; compression during decode; every architecture family's FullKV, and H2O where it compresses (sliding
-windows, soft-caps, sink logits, QK norms). A GPU would still decide on the devices (a CPU tensor in the graph:
-``tests/test_static_decode.py`` pins that every tensor the step creates names its device, at dynamo's level: once
-traced, a device is a constant, and on the CPU the model's device and a factory's default are both ``cpu``). The
-check itself is shown to fail where the step's buffers are not marked (the per-layer step's defect).
+generation; compression during decode (every method that runs it captured); every architecture family's FullKV, and
+H2O where it compresses (sliding windows, soft-caps, sink logits, QK norms). A GPU would still decide on the devices
+(a CPU tensor in the graph: ``tests/test_static_decode.py`` pins that every tensor the step creates names its device,
+at dynamo's level: once traced, a device is a constant, and on the CPU the model's device and a factory's default are
+both ``cpu``). The check itself is shown to fail where the step's buffers are not marked (the per-layer step's
+defect).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_decode_compression_graph import METHODS as DECODING
 from test_static_decode import STATIC, _fields
 
 from helpers import FAMILIES, ByteTokenizer, tiny_family
@@ -123,10 +125,11 @@ def test_a_sampled_step_is_one_cuda_graph(toy_llama):
     _assert_cudagraph_safe(reports)
 
 
-@pytest.mark.parametrize("method", ["snapkv", "rkv"])
+@pytest.mark.parametrize("method", sorted(DECODING))
 def test_a_step_that_feeds_compression_during_decode_is_one_cuda_graph(toy_llama, method):
-    """The step appends and writes its query into the ring the host's compression between blocks reads."""
-    fields = {"name": method, "window": 4, "decode_compression": {"interval": 8, "query_buffer": 6}}
+    """The step appends and writes its query into the ring the host's compression between blocks reads: every
+    method that compresses during decode in a form the captured step runs (AdaKV: its padded layout)."""
+    fields = {"name": method, **DECODING[method], "decode_compression": {"interval": 8, "query_buffer": 6}}
     _assert_cudagraph_safe(_reports(toy_llama, fields, 48, [_prompt(90)], new=30))
 
 
