@@ -29,7 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_decode_compression_graph import METHODS as DECODING
-from test_static_decode import STATIC, _fields
+from test_static_decode import STATIC, _fields, _prompt
 
 from helpers import FAMILIES, ByteTokenizer, tiny_family
 from kvbench.budget import Budget
@@ -70,10 +70,6 @@ def _inductors_view(reports: list):
         return make_boxed_func(gm.forward)
 
     return aot_autograd(fw_compiler=inspect, decompositions=select_decomp_table(), keep_inference_input_mutations=True)
-
-
-def _prompt(n=200, seed=1):
-    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _reports(model, fields: dict, budget, prompts, new=20, sampling=None, tokenizer=None) -> list[dict]:
