@@ -16,7 +16,7 @@ layers, which keep every entry, take the job's longest prompt. Pinned as counts 
 resident bytes and the resident curve stay the host-driven path's (the slots a short prompt's layers take for the
 job's longest are layout, not memory the method keeps). The job's count is rounded up to 256 (``SLOT_ROUND``), so the
 jobs of a sweep whose budgets or new tokens differ by less share a graph too (LongBench's datasets take 32, 64, 128 or
-512 new tokens: SnapKV at budgets 64 and 128 over them took 8 counts, 8 graphs; now 2).
+512 new tokens: SnapKV at budgets 64 and 128 over them took 7 counts, 7 graphs; now 2).
 """
 
 from __future__ import annotations
