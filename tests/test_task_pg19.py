@@ -38,6 +38,41 @@ def test_fullkv_streaming_equals_one_full_forward(toy_llama, prefill):
     torch.testing.assert_close(out.logprobs, _full_forward_logprobs(toy_llama, ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["fullkv", "streamingllm", "h2o"])
+def test_a_batch_of_rows_scores_each_row_as_alone(toy_llama, method):
+    """``teacher_forced_scores`` on three rows of one length equals ``teacher_forced_logprobs`` on each row alone
+    (logprobs, greedy, gaps; a compressing method evicts per row), and a gap is 0 exactly where the token is the
+    argmax and otherwise ``max(logits) - logits[token]`` of a full forward."""
+    from kvbench.engine import teacher_forced_scores
+
+    budget = FULL if method == "fullkv" else Budget.parse(16)
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 256, (40,), generator=gen).tolist() for _ in range(3)]
+    rows[1][30:] = rows[0][30:]  # one row's tail another row's: per-row state, not per-token
+    with CompressionSession(toy_llama, build_method({"name": method}, budget), budget):
+        batch = teacher_forced_scores(toy_llama, rows, 24, score_from=20)
+    assert batch.logprobs.shape == batch.gaps.shape == batch.greedy.shape == (3, 20) and batch.decode_steps == 15
+    for i, row in enumerate(rows):
+        with CompressionSession(toy_llama, build_method({"name": method}, budget), budget):
+            alone = teacher_forced_logprobs(toy_llama, row, 24, score_from=20)
+        torch.testing.assert_close(batch.logprobs[i], alone.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(batch.gaps[i], alone.gaps, atol=1e-5, rtol=0)
+        assert torch.equal(batch.greedy[i], alone.greedy)
+    assert torch.equal(batch.gaps == 0, batch.greedy) and (batch.gaps >= 0).all() and not batch.greedy.all()
+    if method == "fullkv":  # one forward gives every step's logits
+        logits = toy_llama(torch.tensor(rows[:1])).logits[0, 19:39].float()
+        target = torch.tensor(rows[0][20:]).view(-1, 1)
+        gaps = logits.amax(-1) - logits.gather(-1, target).view(-1)
+        torch.testing.assert_close(batch.gaps[0], gaps, atol=1e-4, rtol=0)
+
+
+def test_rows_of_other_lengths_are_refused(toy_llama):
+    from kvbench.engine import teacher_forced_scores
+
+    with pytest.raises(ValueError, match=r"one length, got lengths \[10, 9\]"):
+        teacher_forced_scores(toy_llama, [[5] * 10, [5] * 9], 4)
+
+
 def test_loss_is_taken_before_the_steps_eviction():
     """One layer: a token's keys/values do not depend on its context, so the logits at step t equal a plain forward
     over exactly the tokens t attended (original positions). StreamingLLM (4 sinks, budget 8) attends the 8 cached

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvbench.budget import Budget
-from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate
+from kvbench.engine import CompressionSession, KVCache, cache_kwargs, greedy_generate, teacher_forced_scores
 from kvbench.engine.static import release_slot_pool
 from kvbench.methods import Method
 
@@ -287,31 +287,22 @@ def measure_cell(loaded, method: Method, budget: Budget, context_length: int, ba
 def forced_gaps(model, method: Method, budget: Budget, prompts: list[list[int]], tokens: list[list[int]],
                 tokenizer=None) -> torch.Tensor:
     """How far below the host-driven path's choice each of ``tokens`` is: the prompts (equal lengths, no padding) and
-    then ``tokens`` fed to the host-driven path in a session of ``method`` (teacher forcing, one token per forward,
-    as ``greedy_generate`` decodes), and at every step ``max(logits) - logits[token]`` in float32, ``(B, steps)``: 0
-    where the token is the host-driven argmax. Two correct paths whose kernels differ (the captured step's and the
-    host-driven one's) choose differently where two logits tie within the dtype's rounding; a random-weight model's
-    logits tie often (llama3-8b-random's 32 layers in bf16 on a CPU, a 256-token prompt: top-2 margins of exactly 0
-    at 3 of 32 steps, and the captured path, dynamo's graph run eagerly, parted from the host-driven one at the first,
-    step 20), so comparing generations stops at the first tie, where this checks every token the captured path
-    chose (there: gaps of at most 0.062, two bf16 rounding steps of logits near 5.5)."""
-    device = model.device
-    n = len(prompts[0])
+    then ``tokens`` fed to the host-driven path in a session of ``method`` (``engine.teacher_forced_scores``: one
+    token per forward, as ``greedy_generate`` decodes), and at every step ``max(logits) - logits[token]`` in
+    float32, ``(B, steps)``: 0 where the token is the host-driven argmax. Two correct paths whose kernels differ
+    (the captured step's and the host-driven one's) choose differently where two logits tie within the dtype's
+    rounding; a random-weight model's logits tie often (llama3-8b-random's 32 layers in bf16 on a CPU, a 256-token
+    prompt: top-2 margins of exactly 0 at 3 of 32 steps, and the captured path, dynamo's graph run eagerly, parted
+    from the host-driven one at the first, step 20), so comparing generations stops at the first tie, where this
+    checks every token the captured path chose (there: gaps of at most 0.062, two bf16 rounding steps of logits near
+    5.5)."""
     steps = min(len(t) for t in tokens)
-    ids = torch.tensor(prompts, device=device)
-    chosen = torch.tensor([t[:steps] for t in tokens], device=device)
-    gaps = torch.empty(len(prompts), steps, dtype=torch.float32, device=device)
-    cache = KVCache()
+    if steps == 0:
+        return torch.empty(len(prompts), 0)
+    n = len(prompts[0])
+    rows = [list(p) + list(t[:steps]) for p, t in zip(prompts, tokens)]
     with CompressionSession(model, method, budget, tokenizer=tokenizer):
-        out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-        for t in range(steps):
-            logits = out.logits[:, -1].float()
-            gaps[:, t] = logits.amax(-1) - logits.gather(-1, chosen[:, t : t + 1]).squeeze(-1)
-            if t + 1 < steps:
-                position = torch.full((len(prompts), 1), n + t, device=device)
-                out = model(input_ids=chosen[:, t : t + 1], position_ids=position, **cache_kwargs(model, cache),
-                            use_cache=True)
-    return gaps.cpu()
+        return teacher_forced_scores(model, rows, n, score_from=n).gaps
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

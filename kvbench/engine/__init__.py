@@ -19,6 +19,7 @@ _EXPORTS = {
     "staged_generate": "kvbench.engine.generate",
     "StagedOutput": "kvbench.engine.generate",
     "teacher_forced_logprobs": "kvbench.engine.teacher_forcing",
+    "teacher_forced_scores": "kvbench.engine.teacher_forcing",
     "TokenScores": "kvbench.engine.teacher_forcing",
     "cache_kwargs": "kvbench.engine.compat",
 }
