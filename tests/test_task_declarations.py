@@ -200,3 +200,28 @@ def test_a_toy_task_composes_through_hydra_searchpath(toy, monkeypatch):
     monkeypatch.delenv(spec.PATH_VARIABLE)
     with pytest.raises(ConfigError, match="unknown task 'toyecho'; valid tasks: 2stageretr, "):
         precheck_overrides(["task=toyecho"])
+
+
+#: the tasks whose config selects datasets (or RULER's tasks) by name, with the field and one valid name
+SELECTING = [("longbench", "datasets", "qasper"), ("leval", "datasets", "coursera"),
+             ("zeroscrolls", "datasets", "qasper"), ("infinitebench", "datasets", "passkey"),
+             ("ruler", "tasks", "niah_single_1")]
+
+
+@pytest.mark.parametrize(("task", "field", "good"), SELECTING)
+@pytest.mark.parametrize(("value", "expected"), [
+    (["nope"], "{field} ['nope'] are not "),
+    ([], "{field} must be a non-empty list of names; got []"),
+    (["{good}", "{good}"], "{field} has duplicates: ['{good}', '{good}']"),
+])
+def test_a_bad_selection_of_datasets_is_one_line_naming_it(task, field, good, value, expected):
+    """Every task that selects by name checks the list with ``tasks.check_names``: one line naming the value (and,
+    for an unknown name, every valid one)."""
+    value = [v.format(good=good) for v in value]
+    with pytest.raises(ConfigError) as caught:
+        build_task({"name": task, field: value})
+    message = str(caught.value)
+    assert "\n" not in message and f"task '{task}': " + expected.format(field=field, good=good) in message
+    if value == ["nope"]:
+        assert f"(valid: {good}" in message or f", {good}," in message or f", {good})" in message
+    assert build_task({"name": task, field: [good]}) is not None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -102,6 +102,18 @@ def check_int_list(task: str, field: str, value: Any, minimum: int = 1) -> None:
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int) or item < minimum:
             raise ConfigError(f"task {task!r}: {field} must hold integers >= {minimum}; got {item!r} in {value!r}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"task {task!r}: {field} has duplicates: {value!r}")
+
+
+def check_names(task: str, field: str, value: Any, valid: Sequence[str], what: str) -> None:
+    """``value`` is a non-empty list of distinct names, each one of ``valid`` (``what`` they are, for the message:
+    "LEval datasets")."""
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"task {task!r}: {field} must be a non-empty list of names; got {value!r}")
+    unknown = [v for v in value if v not in valid]
+    if unknown:
+        raise ConfigError(f"task {task!r}: {field} {unknown!r} are not {what} (valid: {', '.join(valid)})")
     if len(set(value)) != len(value):
         raise ConfigError(f"task {task!r}: {field} has duplicates: {value!r}")
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from kvbench.errors import ConfigError, DataError
 from kvbench.metrics.infinitebench import MULTIPLE_CHOICE, official_label, score_one
-from kvbench.tasks import check_common, protocol_fields
+from kvbench.tasks import check_common, check_names, protocol_fields
 from kvbench.tasks.base import Sample, Task, question_after
 from kvbench.tasks.infinitebench.data import check_data_dir, download_official, file_name, read_rows
 from kvbench.tasks.infinitebench.scoring import summarize
@@ -92,15 +92,7 @@ class InfiniteBenchTask(Task):
         return max(MAX_NEW_TOKENS[d] for d in self.datasets)
 
     def validate(self) -> None:
-        value = self.datasets
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(d, str) for d in value):
-            raise ConfigError(f"task {self.name!r}: datasets must be a non-empty list of task names; got {value!r}")
-        if len(set(value)) != len(value):
-            raise ConfigError(f"task {self.name!r}: datasets has duplicates: {value!r}")
-        unknown = [d for d in value if d not in TASKS]
-        if unknown:
-            raise ConfigError(f"task {self.name!r}: datasets {unknown!r} are not InfiniteBench tasks "
-                              f"(valid: {', '.join(TASKS)})")
+        check_names(self.name, "datasets", self.datasets, TASKS, "InfiniteBench tasks")
         check_common(self)
         if self.data_dir is not None:
             if not isinstance(self.data_dir, str):

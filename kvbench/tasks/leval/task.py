@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvbench.errors import ConfigError, DataError
-from kvbench.tasks import check_bool, check_common, check_str, protocol_fields
+from kvbench.errors import DataError
+from kvbench.tasks import check_bool, check_common, check_names, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.leval.data import hub_file, local_files, read_documents
 from kvbench.tasks.leval.scoring import DATASET2METRIC, DATASETS, PROTOCOL, SCI_FI, question_score, score_records
@@ -106,15 +106,7 @@ class LEvalTask(Task):
 
     # ---- fields and files ----
     def validate(self) -> None:
-        value = self.datasets
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(d, str) for d in value):
-            raise ConfigError(f"task {self.name!r}: datasets must be a non-empty list of names; got {value!r}")
-        unknown = [d for d in value if d not in DATASET2METRIC]
-        if unknown:
-            raise ConfigError(f"task {self.name!r}: datasets {unknown!r} are not LEval datasets "
-                              f"(valid: {', '.join(DATASETS)})")
-        if len(set(value)) != len(value):
-            raise ConfigError(f"task {self.name!r}: datasets has duplicates: {value!r}")
+        check_names(self.name, "datasets", self.datasets, DATASETS, "LEval datasets")
         check_str(self.name, "prompt_format", self.prompt_format, PROMPT_FORMATS)
         check_str(self.name, "truncation", self.truncation, TRUNCATIONS)
         check_bool(self.name, "system_role", self.system_role)

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvbench.errors import ConfigError
 from kvbench.metrics.longbench import first_line
-from kvbench.tasks import check_common, check_str, protocol_fields
+from kvbench.tasks import check_common, check_names, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task, question_after
 from kvbench.tasks.longbench.data import (
     check_data_dir,
@@ -95,16 +94,8 @@ class LongBenchTask(Task):
             check_data_dir(self.name, str(directory), self.file_names())
 
     def _check_datasets(self) -> None:
-        value = self.datasets
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(d, str) for d in value):
-            raise ConfigError(f"task {self.name!r}: datasets must be a non-empty list of names; got {value!r}")
-        if len(set(value)) != len(value):
-            raise ConfigError(f"task {self.name!r}: datasets has duplicates: {value!r}")
         valid = LONGBENCH_E if self.variant == "longbench_e" else list(DATASET2PROMPT)
-        unknown = [d for d in value if d not in valid]
-        if unknown:
-            raise ConfigError(f"task {self.name!r}: datasets {unknown!r} not in {self.variant} "
-                              f"(valid: {', '.join(valid)})")
+        check_names(self.name, "datasets", self.datasets, valid, f"{self.variant} datasets")
 
     def prepare_data(self) -> None:
         self.data_path()

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvbench.errors import ConfigError
 from kvbench.metrics.ruler import postprocess_pred
-from kvbench.tasks import check_int, check_int_list, check_stop_strings, check_str, protocol_fields
+from kvbench.tasks import check_int, check_int_list, check_names, check_stop_strings, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task, question_from
 from kvbench.tasks.ruler import qa
 from kvbench.tasks.ruler.common import GENERATORS, TASK_ARGS, TEMPLATES, Prompting
@@ -100,13 +99,7 @@ class RulerTask(Task):
         return max(self.context_lengths)
 
     def validate(self) -> None:
-        value = self.tasks
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(t, str) for t in value):
-            raise ConfigError(f"task 'ruler': tasks must be a non-empty list of names; got {value!r}")
-        unknown = [t for t in value if t not in TASK_ARGS]
-        if unknown or len(set(value)) != len(value):
-            what = f"unknown {unknown!r}" if unknown else f"duplicates in {value!r}"
-            raise ConfigError(f"task 'ruler': tasks has {what}; valid: {', '.join(RULER_TASKS)}")
+        check_names(self.name, "tasks", self.tasks, RULER_TASKS, "RULER tasks")
         check_int_list(self.name, "context_lengths", self.context_lengths, minimum=MIN_LENGTH)
         check_int(self.name, "num_samples", self.num_samples)
         check_int(self.name, "seed", self.seed, minimum=0)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvbench.errors import ConfigError, DataError
+from kvbench.errors import DataError
 from kvbench.metrics.zeroscrolls import check_f1_backend
-from kvbench.tasks import check_common, check_str, protocol_fields
+from kvbench.tasks import check_common, check_names, check_str, protocol_fields
 from kvbench.tasks.base import Sample, Task
 from kvbench.tasks.text import middle_truncate
 from kvbench.tasks.zeroscrolls.data import hub_source, local_source, read_examples
@@ -101,20 +101,12 @@ class ZeroScrollsTask(Task):
         return max(DATASET2MAXLEN[d] for d in self.datasets)
 
     def validate(self) -> None:
-        value = self.datasets
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(d, str) for d in value):
-            raise ConfigError(f"task {self.name!r}: datasets must be a non-empty list of names; got {value!r}")
-        unknown = [d for d in value if d not in DATASET2METRIC]
-        if unknown:
-            raise ConfigError(f"task {self.name!r}: datasets {unknown!r} are not ZeroSCROLLS tasks "
-                              f"(valid: {', '.join(DATASETS)})")
-        if len(set(value)) != len(value):
-            raise ConfigError(f"task {self.name!r}: datasets has duplicates: {value!r}")
+        check_names(self.name, "datasets", self.datasets, DATASETS, "ZeroSCROLLS tasks")
         check_str(self.name, "prompt_format", self.prompt_format, PROMPT_FORMATS)
         check_str(self.name, "truncation", self.truncation, TRUNCATIONS)
         check_str(self.name, "rouge_aggregation", self.rouge_aggregation, ROUGE_AGGREGATIONS)
         check_common(self)
-        if any(DATASET2METRIC[d] == "f1" for d in value):
+        if any(DATASET2METRIC[d] == "f1" for d in self.datasets):
             check_f1_backend()
         if self.data_dir is not None:
             check_str(self.name, "data_dir", self.data_dir)
