@@ -91,6 +91,20 @@ def open_lock_for_probe(lock: Path):
         return open(lock)
 
 
+def lock_is_held(lock: Path) -> bool:
+    """Whether some process holds the job directory's ``lock`` file right now (a probe: it takes and drops the lock
+    if free; False where there is no lock file)."""
+    if not lock.exists():
+        return False
+    with open_lock_for_probe(lock) as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return False
+
+
 def check_results_writable(results_dir: str | Path) -> None:
     """Refuse, in one line, a results directory kvbench cannot write (read-only, no permission, full), before
     anything is created or loaded: a probe file is written, fsynced and removed in the directory, or in its nearest
@@ -176,16 +190,7 @@ class JobDir:
 
     def lock_held(self) -> bool:
         """Whether some process holds the job's lock right now (a probe; it takes and drops the lock if free)."""
-        lock = self.path / ".lock"
-        if self._lock_fh is not None or not lock.exists():
-            return self._lock_fh is not None
-        with open_lock_for_probe(lock) as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(fh, fcntl.LOCK_UN)
-        return False
+        return self._lock_fh is not None or lock_is_held(self.path / ".lock")
 
     # ---- contents -----------------------------------------------------------------------------------------------
     def write_config(self, text: str) -> None:

@@ -28,7 +28,6 @@ otherwise.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
@@ -41,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from kvbench.store import config_hash, ids_digest, load_yaml, open_lock_for_probe
+from kvbench.store import config_hash, ids_digest, load_yaml, lock_is_held
 from kvbench.store.compression import uncompressed_reason
 
 STATES = ("finished", "running", "incomplete", "failed", "uncompressed", "inconsistent", "orphaned")
@@ -61,19 +60,6 @@ class JobReport:
     temp_files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what could not be checked here; not a problem
     corrupt_lines: list[int] = field(default_factory=list)  # complete samples.jsonl lines that are not records
-
-
-def _locked(path: Path) -> bool:
-    lock = path / ".lock"
-    if not lock.exists():
-        return False
-    with open_lock_for_probe(lock) as fh:  # verify needs no write access to probe a lock
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fh, fcntl.LOCK_UN)
-    return False
 
 
 def inspect(path: Path) -> JobReport:
@@ -131,7 +117,7 @@ def inspect(path: Path) -> JobReport:
     structural = [p for p in report.problems if "temp file" not in p]
     if structural:
         report.state = "inconsistent"
-    elif _locked(path):
+    elif lock_is_held(path / ".lock"):  # (no write access needed: open_lock_for_probe)
         report.state = "running"
     elif (path / "failed.json").exists() and scores is None:
         report.state = "failed"
