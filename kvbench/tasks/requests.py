@@ -71,6 +71,13 @@ class AnswerStats:
     layer_entries: list[int]
     attended_tokens_mean: float
 
+    def record_fields(self) -> dict[str, Any]:
+        """These stats as a record stores them (``attended_tokens_mean`` to 2 decimals)."""
+        return {"prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+                "decode_steps": self.decode_steps, "resident_kv_bytes": self.resident_kv_bytes,
+                "resident_kv_bytes_final": self.resident_kv_bytes_final, "layer_entries": self.layer_entries,
+                "attended_tokens_mean": round(self.attended_tokens_mean, 2)}
+
 
 @dataclass(frozen=True)
 class Generation:

@@ -147,13 +147,7 @@ class KVBenchLM(TemplateLM):
         self.request_stats.append({
             "prompt_tokens": prompt_tokens,
             "new_tokens": new_tokens,
-            "prefill_seconds": stats.prefill_seconds,
-            "decode_seconds": stats.decode_seconds,
-            "decode_steps": stats.decode_steps,
-            "resident_kv_bytes": stats.resident_kv_bytes,
-            "resident_kv_bytes_final": stats.resident_kv_bytes_final,
-            "layer_entries": stats.layer_entries,
-            "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
+            **stats.record_fields(),
         })
 
 

@@ -150,13 +150,7 @@ class PG19Task(Task):
                 "batch_size": 1,  # each document streams alone, whatever the runner's batch_size
                 "prompt_tokens": prefill,
                 "new_tokens": stats.decode_steps,
-                "prefill_seconds": stats.prefill_seconds,
-                "decode_seconds": stats.decode_seconds,
-                "decode_steps": stats.decode_steps,
-                "resident_kv_bytes": stats.resident_kv_bytes,
-                "resident_kv_bytes_final": stats.resident_kv_bytes_final,
-                "layer_entries": stats.layer_entries,
-                "attended_tokens_mean": round(stats.attended_tokens_mean, 2),
+                **stats.record_fields(),
             })
         return records
 
