@@ -146,8 +146,22 @@ def compiled_decode_step(backend: str | None, mode: str | None):
     # a method's float hyperparameters (D2O's beta) stay constants of their graph: torch 2.6 otherwise turns a float
     # that differs between two compiled calls into a 0-d tensor read back with .item(), which fullgraph refuses
     config.specialize_float = True
-    options = {"backend": backend} if backend is not None else {"mode": mode}
-    return torch.compile(decode_step, fullgraph=True, dynamic=False, **options)
+    if backend is not None:
+        return torch.compile(decode_step, fullgraph=True, dynamic=False, backend=backend)
+    return torch.compile(decode_step, fullgraph=True, dynamic=False, options=inductor_options(mode))
+
+
+def inductor_options(mode: str | None) -> dict:
+    """Inductor's options for the captured step: ``mode``'s (``reduce-overhead``: CUDA graphs) and no
+    ``reorder_for_locality``. That pass moves each value's producers to just before its first consumer before
+    inductor re-places the functional writes of the step's buffers (``index_put`` into ``index_put_``); a read of a
+    buffer that a method writes after its attention (the attention output of D2O's and CaM's merged values, the
+    entries-attended count of an evicting layer's validity) then lands after the write, and the write gets a copy of
+    the whole buffer instead (``tests/test_step_traffic.py``). Without it the graph keeps the step's order, in which
+    every read of a buffer precedes its write."""
+    import torch._inductor
+
+    return {**(torch._inductor.list_mode_options(mode) if mode else {}), "reorder_for_locality": False}
 
 
 def mark_static(tensors: list[torch.Tensor]) -> None:

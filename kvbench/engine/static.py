@@ -142,12 +142,26 @@ class StaticPolicy:
             raise ValueError("StaticPolicy: choose writes a shared selection, which needs selection=<its layer>")
 
 
+def put_slots(buffer: torch.Tensor, slot: torch.Tensor, value: torch.Tensor, accumulate: bool = False) -> None:
+    """``buffer[b, h, slot[b, h, j], ...] = value[b, h, j, ...]`` for a buffer ``(B, H, C, ...)`` and slots ``(B, H,
+    n)`` (distinct within a (row, head)); ``value`` broadcasts to ``(B, H, n, ...)``; ``accumulate``: ``+=``. The
+    captured step writes its buffers with this ``index_put_``, not ``scatter_``: inductor compiles an ``index_put_`` on
+    a graph input in place, where a ``scatter_`` on one becomes a copy of the whole buffer, the scatter into the copy
+    and a copy back (its reinplace pass, ``torch/_inductor/fx_passes/reinplace.py``, re-places ``index_put`` and not
+    ``scatter``): for the key and value writes, four passes over the cache at every step besides attention's one
+    (``tests/test_step_traffic.py``)."""
+    b, h = slot.shape[:2]
+    rows = torch.arange(b, device=slot.device).view(b, 1, 1)
+    heads = torch.arange(h, device=slot.device).view(1, h, 1)
+    buffer.index_put_((rows, heads, slot), value, accumulate=accumulate)
+
+
 def evict_one(valid: torch.Tensor, key: torch.Tensor, capacity: torch.Tensor) -> None:
     """Free the slot with the lowest ``key`` ``(B, H, C)`` in every (row, head) holding more than ``capacity``
     ``(B, 1, 1)`` valid entries (a prompt within the budget keeps growing up to it): its ``valid`` bit cleared."""
     victim = torch.argmin(key, dim=-1, keepdim=True)  # (B, H, 1)
     over = valid.sum(-1, keepdim=True) > capacity
-    valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)
+    put_slots(valid, victim, torch.gather(valid, -1, victim) & ~over)
 
 
 def evict_oldest(slots: StepSlots, probs: torch.Tensor | None, policy: StaticPolicy) -> None:
@@ -357,19 +371,15 @@ class StaticKVLayer(KVLayer):
         if self.key_window is not None:  # the ring: entry j (its values' slot) -> its key's slot
             sinks, recent = self.key_window
             key_slot = torch.where(slot < sinks, slot, sinks + (slot - sinks) % recent)
-        self.keys.scatter_(2, key_slot.unsqueeze(-1).expand(*slot.shape, self.keys.shape[-1]), key_states)
-        self.values.scatter_(2, slot.unsqueeze(-1).expand(*slot.shape, self.values.shape[-1]), value_states)
+        put_slots(self.keys, key_slot, key_states)
+        put_slots(self.values, slot, value_states)
         at = positions.view(-1, 1, 1).expand_as(slot) if isinstance(positions, torch.Tensor) else \
             torch.full_like(slot, positions)
-        self.positions.scatter_(-1, slot, at)
-        self.valid.scatter_(-1, slot, torch.ones_like(slot, dtype=torch.bool))
+        put_slots(self.positions, slot, at)
+        put_slots(self.valid, slot, torch.ones_like(slot, dtype=torch.bool))
         for stat in self.state.values():  # a new entry's statistics start at zero
             at = slot[:, : stat.shape[1]]  # (a state of one head: the heads hold the same slots, PyramidInfer's)
-            if stat.dim() == 4:  # a vector per entry (StaticPolicy.state)
-                stat.scatter_(2, at.unsqueeze(-1).expand(*at.shape, stat.shape[-1]),
-                              torch.zeros(*at.shape, stat.shape[-1], dtype=stat.dtype, device=stat.device))
-            else:
-                stat.scatter_(-1, at, torch.zeros_like(at, dtype=stat.dtype))
+            put_slots(stat, at, torch.zeros((), dtype=stat.dtype, device=stat.device))
         return slot
 
     def show_entries(self, layer: KVLayer, rows: int, fill: int) -> None:

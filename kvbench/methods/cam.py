@@ -216,6 +216,8 @@ def static_merge(slots, probs: torch.Tensor, policy) -> None:
     arithmetic as the host-driven step (its division by ``r`` in float32), with ``s`` and ``r`` computed from each
     row's capacity on the device: a job whose capacities differ (a ratio budget, prompts within the budget) replays
     one graph."""
+    from kvbench.engine.static import put_slots
+
     share, key = policy.params
     valid, positions, values = slots.valid, slots.positions, slots.values
     acc = slots.state["cam_acc"]
@@ -234,6 +236,6 @@ def static_merge(slots, probs: torch.Tensor, policy) -> None:
     targets = valid & (positions > leaving_pos.unsqueeze(-1)) & over.unsqueeze(-1)
     # / r as the host-driven step's division by a Python int: in float32, rounded to the values' dtype
     merged = ((source * m.view(*m.shape, 1, 1)).float() / r.view(-1, 1, 1, 1).float()).to(values.dtype)
-    values.copy_(torch.where(targets.unsqueeze(-1), values + merged, values))
-    valid.scatter_(-1, leaving, torch.gather(valid, -1, leaving) & ~over.unsqueeze(-1))
+    values.add_(merged * targets.unsqueeze(-1).to(values.dtype))  # + 0 off the targets: values + merged on them
+    put_slots(valid, leaving, torch.gather(valid, -1, leaving) & ~over.unsqueeze(-1))
     acc.add_(probs.mean(2).sum(2))

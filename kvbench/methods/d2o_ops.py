@@ -306,6 +306,8 @@ def static_merge_evict(keys: torch.Tensor, values: torch.Tensor, positions: torc
     ``official``: ``official_gate``, one decision per row from the head mean, tau per row), and its ``valid`` bit is
     cleared. Ties go to the lowest position, as on the default path, whose entries are in position order. No host
     read, no data-dependent shape."""
+    from kvbench.engine.static import put_slots
+
     b, h, c = valid.shape
     _, rank = position_rank(positions, valid)  # valid slots first, by position
     counts = valid.sum(-1, keepdim=True)
@@ -331,9 +333,9 @@ def static_merge_evict(keys: torch.Tensor, values: torch.Tensor, positions: torc
             tau.copy_(torch.where(over[..., 0], updated, tau))
         merge = merge & over
         if add_score and number == 0:
-            acc.scatter_add_(-1, target, torch.gather(acc, -1, victim).masked_fill(~merge, 0.0))
+            put_slots(acc, target, torch.gather(acc, -1, victim).masked_fill(~merge, 0.0), accumulate=True)
         self_w, w, cnt = _merge_weights(m, merge, weights)
         for x in ({"keys": keys, "values": values}[name] for name in tensors):
             idx_t = target.unsqueeze(-1).expand(b, h, 1, x.shape[-1])
-            x.scatter_(2, idx_t, _merged_rows(x, idx_t, victim, self_w, w, cnt))
-    valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)
+            put_slots(x, target, _merged_rows(x, idx_t, victim, self_w, w, cnt))
+    put_slots(valid, victim, torch.gather(valid, -1, victim) & ~over)

@@ -86,6 +86,7 @@ def static_attention(slots, policy) -> torch.Tensor:
     the query they form the next memory block: per query head the mean of the ``repr_topk`` highest-scored keys at
     position 0 (``InfLLM._form_blocks``). Returns ``(B, Hq, 1, D)``."""
     from kvbench.engine.rope import rotate_keys
+    from kvbench.engine.static import put_slots
 
     block, repr_topk = policy.params
     _, _, n_local = _sizes(slots)
@@ -118,8 +119,9 @@ def static_attention(slots, policy) -> torch.Tensor:
     chosen_keys = torch.gather(keys.float(), 2, flat.unsqueeze(-1).expand(b, hkv, g * repr_topk, d))
     at = torch.gather(positions, 2, flat)
     k_pre = rotate_keys(chosen_keys, (-at).float(), inv_freq).view(b, hkv, g, repr_topk, d).mean(3).view(b, hq, 1, d)
-    index = blocks.view(b, 1, 1, 1).clamp(max=reprs.shape[2] - 1).expand(b, hq, 1, d)
-    reprs.scatter_(2, index, torch.where(due.view(b, 1, 1, 1), k_pre, torch.gather(reprs, 2, index)))
+    index = blocks.view(b, 1, 1).clamp(max=reprs.shape[2] - 1).expand(b, hq, 1)
+    current = torch.gather(reprs, 2, index.unsqueeze(-1).expand(b, hq, 1, d))
+    put_slots(reprs, index, torch.where(due.view(b, 1, 1, 1), k_pre, current))
     blocks.add_(due.long())
     start.add_(due.long() * block)
     return out

@@ -55,6 +55,8 @@ def static_evict(slots, probs: torch.Tensor, policy) -> None:
     (the slots sorted by position, empty ones last): the pool is the ``capacity - int(capacity x ratio) - sinks``
     lowest std (computed from each row's capacity on the device, in float64 as the host computes it), the victim its
     lowest mean. ``params``: (ratio, sinks, exclude_last)."""
+    from kvbench.engine.static import put_slots
+
     ratio, sinks, exclude_last = policy.params
     state, valid, positions = slots.state, slots.valid, slots.positions
     row = probs.mean(2)[..., 0, :]  # (B, Hkv, C): the step's attention, mean over the GQA group
@@ -76,7 +78,7 @@ def static_evict(slots, probs: torch.Tensor, policy) -> None:
     pool_mean = torch.gather(mean, -1, pool_idx).masked_fill(rank >= pool, float("inf"))
     victim = torch.gather(order, -1, torch.gather(pool_idx, -1, torch.argmin(pool_mean, dim=-1, keepdim=True)))
     over = held > capacity
-    valid.scatter_(-1, victim, torch.gather(valid, -1, victim) & ~over)
+    put_slots(valid, victim, torch.gather(valid, -1, victim) & ~over)
 
 
 @dataclass
