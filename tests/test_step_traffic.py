@@ -29,6 +29,8 @@ from kvbench.methods import build_method
 pytestmark = pytest.mark.compat
 
 inductor_graph = pytest.importorskip("torch._inductor.graph")
+import torch._functorch.config  # noqa: E402  (the caches the check turns off)
+import torch._inductor.config  # noqa: E402
 
 WRITES = ("index_put", "scatter", "copy")  # the origins of a buffer that holds a written copy of another
 
@@ -62,6 +64,9 @@ def _copies(monkeypatch, model, name: str, budget, prompts: list[list[int]]) -> 
         raise _Generated
 
     monkeypatch.setattr(inductor_graph.GraphLowering, "codegen", codegen)
+    # a graph inductor compiled before (another test, an earlier run) is loaded from its caches, not generated
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
     b = Budget.parse(budget)
     method = build_method(_fields(model, name, None), b)
     tokenizer = ByteTokenizer() if method.needs_reconstruction else None
