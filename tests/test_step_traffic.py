@@ -17,6 +17,8 @@ buffer the step writes. The check is shown to find the copies of the ``scatter_`
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_static_decode import STATIC, _fields, _prompt
@@ -37,6 +39,18 @@ WRITES = ("index_put", "scatter", "copy")  # the origins of a buffer that holds 
 
 class _Generated(Exception):
     """Raised after inductor's code generation, before anything is compiled or run."""
+
+
+def _uncached() -> contextlib.ExitStack:
+    """Inductor's graph caches off: a graph compiled before (by another test, an earlier run) is loaded from them,
+    not generated."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    try:
+        stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    except (AttributeError, KeyError):  # (a torch without AOT autograd's cache)
+        pass
+    return stack
 
 
 def _copies(monkeypatch, model, name: str, budget, prompts: list[list[int]]) -> tuple[list[dict], int]:
@@ -64,15 +78,12 @@ def _copies(monkeypatch, model, name: str, budget, prompts: list[list[int]]) -> 
         raise _Generated
 
     monkeypatch.setattr(inductor_graph.GraphLowering, "codegen", codegen)
-    # a graph inductor compiled before (another test, an earlier run) is loaded from its caches, not generated
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False, raising=False)
     b = Budget.parse(budget)
     method = build_method(_fields(model, name, None), b)
     tokenizer = ByteTokenizer() if method.needs_reconstruction else None
     torch._dynamo.reset()  # (a graph of the same shapes compiled before would be reused, not generated)
     try:
-        with CompressionSession(model, method, b, compile=True, tokenizer=tokenizer):
+        with _uncached(), CompressionSession(model, method, b, compile=True, tokenizer=tokenizer):
             greedy_generate(model, prompts, 8, [], 0)
     except Exception:  # inductor wraps the sentinel in its own error
         if not reports:
