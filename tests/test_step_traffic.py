@@ -136,3 +136,10 @@ def test_the_check_finds_the_copy_of_a_reordered_merge(toy_llama, monkeypatch):
     finally:
         graph.compiled_decode_step.cache_clear()
     assert any(len(c["shape"]) == 4 for c in copies), copies
+
+
+def test_a_gpu_compiles_the_step_with_cuda_graphs_and_without_the_reorder():
+    """On CUDA the session asks for ``reduce-overhead`` (CUDA graphs): its options, with the reorder pass off."""
+    options = graph.inductor_options("reduce-overhead")
+    assert options["triton.cudagraphs"] is True and options["reorder_for_locality"] is False
+    assert graph.inductor_options(None) == {"reorder_for_locality": False}  # the CPU's: inductor's defaults but one
