@@ -18,6 +18,7 @@ buffer the step writes. The check is shown to find the copies of the ``scatter_`
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -82,6 +83,7 @@ def _copies(monkeypatch, model, name: str, budget, prompts: list[list[int]]) -> 
     method = build_method(_fields(model, name, None), b)
     tokenizer = ByteTokenizer() if method.needs_reconstruction else None
     torch._dynamo.reset()  # (a graph of the same shapes compiled before would be reused, not generated)
+    limit = sys.getrecursionlimit()
     try:
         with _uncached(), CompressionSession(model, method, b, compile=True, tokenizer=tokenizer):
             greedy_generate(model, prompts, 8, [], 0)
@@ -90,6 +92,7 @@ def _copies(monkeypatch, model, name: str, budget, prompts: list[list[int]]) -> 
             raise
     finally:
         torch._dynamo.reset()
+        sys.setrecursionlimit(limit)  # (inductor raises it to 2000 when it compiles; the next test gets it back)
     if not reports and graph.STATUS.get("captured") is False:  # torch 2.6 with transformers 5.6: not traced whole
         pytest.skip(f"dynamo cannot trace this model's forward whole here: {graph.STATUS.get('refused')}")
     assert reports, "no graph was generated"

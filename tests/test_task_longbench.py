@@ -96,15 +96,36 @@ class TestRouge:
         assert lb.rouge_score("", "cat dog") == 0.0  # "Hypothesis is empty."
         assert lb.rouge_score("...", "cat dog") == 0.0  # no sentence left after splitting on "."
 
-    def test_recursion_error_scores_zero(self):
+    def test_recursion_error_scores_zero(self, monkeypatch):
         from rouge import Rouge
 
         rng = random.Random(0)
         long_pred, long_gt = _words(600, rng), _words(600, rng)  # 600 vs 600 words: past the recursion limit
-        with pytest.raises(RecursionError):
-            Rouge().get_scores([long_pred], [long_gt], avg=True)
+        limit = sys.getrecursionlimit()  # (another test's inductor compile may have raised it to 2000)
+        sys.setrecursionlimit(lb.OFFICIAL_RECURSION_LIMIT)
+        try:
+            with pytest.raises(RecursionError):
+                Rouge().get_scores([long_pred], [long_gt], avg=True)
+        finally:
+            sys.setrecursionlimit(limit)
         assert lb.rouge_score(long_pred, long_gt) == 0.0
         assert lb.rouge_score(_words(100, rng), _words(100, rng)) > 0.0
+
+    def test_a_raised_recursion_limit_does_not_change_the_score(self):
+        """torch's inductor sets the process's limit to 2000 when it compiles (a job's captured decode, before its
+        records are scored): pltrdy would then score the long pair, where official eval.py gives 0."""
+        from rouge import Rouge
+
+        rng = random.Random(0)
+        long_pred, long_gt = _words(600, rng), _words(600, rng)
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(2000)
+        try:
+            assert Rouge().get_scores([long_pred], [long_gt], avg=True)["rouge-l"]["f"] > 0.0  # what 2000 gives
+            assert lb.rouge_score(long_pred, long_gt) == 0.0  # at the official limit
+            assert sys.getrecursionlimit() == 2000  # restored
+        finally:
+            sys.setrecursionlimit(limit)
 
     def test_threshold_does_not_depend_on_the_callers_stack(self):
         rng = random.Random(1)
@@ -115,8 +136,9 @@ class TestRouge:
         def deep(n: int) -> float:
             return lb.rouge_score(pred, gt) if n == 0 else deep(n - 1)
 
+        limit = sys.getrecursionlimit()
         assert deep(400) == top  # 400 frames deeper: a direct call would hit the recursion limit
-        assert sys.getrecursionlimit() == 1000
+        assert sys.getrecursionlimit() == limit
 
     def test_zh_joins_jieba_words(self):
         # "北京 是 中国 的 首都" vs "北京 是 首都": LCS 3, P = 3/5, R = 1, F = 0.75

@@ -6,8 +6,10 @@ Each function mirrors the official one of the same name, quirks included (refere
   summary-level ROUGE-L F) and turns *any* exception into 0.0, as the official bare ``except`` does. That includes
   the ``RecursionError`` its recursive LCS reconstruction raises on long pairs (a sentence pair of roughly 1000
   tokens combined). The call runs on a fresh thread so that the threshold does not depend on how deep the caller's
-  stack is (``get_scores`` runs 5 frames deep there; official ``eval.py``: 4), at Python's recursion limit, which
-  kvbench never raises (``scorer_backends()`` records it).
+  stack is (``get_scores`` runs 5 frames deep there; official ``eval.py``: 4), at Python's default recursion limit,
+  1,000, as ``eval.py`` runs (``OFFICIAL_RECURSION_LIMIT``, set for the call: torch's inductor raises the process's
+  limit to 2,000 when it compiles, which a job's captured decode does before its records are scored; the score of a
+  long pair would then be its ROUGE-L, not the official 0).
 * ``classification_score`` removes items from the list it iterates over (an item right after a removed one is
   never checked).
 * ``code_sim_score`` uses ``fuzz.ratio`` of ``fuzzywuzzy`` on its pure-python ``difflib`` backend: the official
@@ -105,16 +107,28 @@ def _pltrdy_rouge_l_f(prediction: str, ground_truth: str, out: list[float]) -> N
         out.append(0.0)
 
 
+#: the recursion limit official ``eval.py`` scores at (a fresh Python's default), on which pltrdy's RecursionError
+#: on long pairs, scored 0, depends
+OFFICIAL_RECURSION_LIMIT = 1000
+
+
 def rouge_score(prediction: str, ground_truth: str, **_: Any) -> float:
     """``rouge_score``: ``Rouge().get_scores([pred], [gt], avg=True)["rouge-l"]["f"]``, 0.0 on any exception.
 
     Evaluated on a fresh thread, where ``get_scores`` runs 5 frames deep (official ``eval.py``: 4 for English,
-    5 through ``rouge_zh_score``), so that the RecursionError -> 0 quirk does not depend on the caller's stack.
+    5 through ``rouge_zh_score``), with the process's recursion limit at ``OFFICIAL_RECURSION_LIMIT`` for the call
+    (restored after), so that the RecursionError -> 0 quirk depends neither on the caller's stack nor on what raised
+    the limit before (torch's inductor sets 2,000 when it compiles).
     """
     out: list[float] = []
     thread = threading.Thread(target=_pltrdy_rouge_l_f, args=(prediction, ground_truth, out), daemon=True)
-    thread.start()
-    thread.join()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(OFFICIAL_RECURSION_LIMIT)  # (this thread is shallow: the scorers run near the top)
+    try:
+        thread.start()
+        thread.join()
+    finally:
+        sys.setrecursionlimit(limit)
     return out[0] if out else 0.0
 
 
@@ -255,7 +269,7 @@ def scorer_backends() -> dict[str, Any]:
         "jieba": installed("jieba"),
         "fuzzywuzzy": installed("fuzzywuzzy"),
         "code_sim_backend": "difflib",  # kvbench.metrics.longbench.fuzz_ratio, whatever else is installed
-        "recursion_limit": sys.getrecursionlimit(),
+        "recursion_limit": OFFICIAL_RECURSION_LIMIT,  # rouge_score's, whatever the process's
     }
 
 
