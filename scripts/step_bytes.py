@@ -16,7 +16,9 @@ difference between two commits or two methods on the same shapes, not the total 
 
 FullKV's 283 MB are 4.1 times its cache: the copies of its keys and values (out and back) in every layer.
 
-Options: ``--layers`` / ``--prompt`` / ``--new`` / ``--budget``; ``--tiny`` for a toy model (64 hidden, seconds).
+``--methods`` takes kvbench's methods and ``transformers_static_compiled``, the bench's peer: transformers' ``generate``
+with its static cache, which compiles its decode forward itself. Options: ``--layers`` / ``--prompt`` / ``--new`` /
+``--budget``; ``--tiny`` for a toy model (64 hidden, seconds).
 Needs about 3 GB of memory for two 8B-shaped layers with Llama-3's 128k vocabulary; takes 30-40 s per method on two
 CPU cores (inductor's C++ compile included).
 """
@@ -79,17 +81,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.layers} layers, {'toy' if args.tiny else 'Llama-3-8B'} shapes, bf16, a {args.prompt}-token prompt, "
           f"{args.new} new tokens; torch {torch.__version__}")
     for name in args.methods.split(","):
-        budget = Budget.parse("full" if name == "fullkv" else args.budget)
         graphs.clear()
         torch._dynamo.reset()
         start = time.perf_counter()
-        with torch.inference_mode(), CompressionSession(model, build_method({"name": name}, budget), budget,
-                                                        compile=True):
-            greedy_generate(model, [prompt], args.new, [], 0)
+        with torch.inference_mode():
+            if name in PEERS:  # transformers' own compiled decode forward over its static cache, as the bench's peer
+                peer_generate(model, prompt, args.new)
+            else:
+                budget = Budget.parse("full" if name == "fullkv" else args.budget)
+                with CompressionSession(model, build_method({"name": name}, budget), budget, compile=True):
+                    greedy_generate(model, [prompt], args.new, [], 0)
+        seconds = time.perf_counter() - start
         for g in graphs:
             print(f"{name}: {g['bytes'] / 1e6:,.1f} MB, {g['generated']} generated kernels + {g['extern']} extern "
-                  f"({time.perf_counter() - start:.0f} s)")
+                  f"({seconds:.0f} s)")
     return 0
+
+
+PEERS = ("transformers_static_compiled",)
+
+
+def peer_generate(model, prompt: list[int], new: int) -> None:
+    """``generate`` with ``cache_implementation="static"``, which compiles the decode forward itself
+    (``kvbench.bench.peer``: on a CPU too, with ``CompileConfig._compile_all_devices``)."""
+    from kvbench.bench.peer import _compile_config
+
+    ids = torch.tensor([prompt], device=model.device)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                   pad_token_id=0, cache_implementation="static", compile_config=_compile_config(model.device, None))
+    if getattr(model, "_compiled_call", None) is None:
+        raise SystemExit("transformers' generate did not compile its decode forward")
 
 
 if __name__ == "__main__":
