@@ -14,7 +14,11 @@ difference between two commits or two methods on the same shapes, not the total 
     SnapKV at 128                                2,983.7 MB, 47 + 19    2,979.2 MB, 33 + 19
     H2O at 128                                   2,983.5 MB, 57 + 19    2,979.2 MB, 41 + 19
 
-FullKV's 283 MB are 4.1 times its cache: the copies of its keys and values (out and back) in every layer.
+FullKV's 283 MB are 4.1 times its cache: the copies of its keys and values (out and back) in every layer. The bench's
+peer on the same shapes (``--methods fullkv,transformers_static_compiled``: transformers 5.24's decode forward over
+its 8,200-slot static cache, one graph): 3,646.7 MB, 33 + 19 kernels, 425 MB more than kvbench's FullKV step with
+the same kernel count, its token choice outside the graph (transformers' SDPA path repeats each KV head's keys and
+values for its query heads where a mask is given; kvbench's step passes the GQA group as the query axis).
 
 ``--methods`` takes kvbench's methods and ``transformers_static_compiled``, the bench's peer: transformers' ``generate``
 with its static cache, which compiles its decode forward itself. Options: ``--layers`` / ``--prompt`` / ``--new`` /
