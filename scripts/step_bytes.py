@@ -14,7 +14,8 @@ difference between two commits or two methods on the same shapes, not the total 
     SnapKV at 128                                2,983.7 MB, 47 + 19    2,979.2 MB, 33 + 19
     H2O at 128                                   2,983.5 MB, 57 + 19    2,979.2 MB, 41 + 19
 
-FullKV's 283 MB are 4.1 times its cache: the copies of its keys and values (out and back) in every layer. The bench's
+(the first column: this script in a worktree of ea90ed1, ``PYTHONPATH=<worktree>``). FullKV's 283 MB are 4.1 times
+its cache: the copies of its keys and values (out and back) in every layer. The bench's
 peer on the same shapes (``--methods fullkv,transformers_static_compiled``: transformers 5.24's decode forward over
 its 8,200-slot static cache, one graph): 3,646.7 MB, 33 + 19 kernels, 425 MB more than kvbench's FullKV step with
 the same kernel count, its token choice outside the graph (transformers' SDPA path repeats each KV head's keys and
@@ -22,7 +23,7 @@ values for its query heads where a mask is given; kvbench's step passes the GQA 
 
 ``--methods`` takes kvbench's methods and ``transformers_static_compiled``, the bench's peer: transformers' ``generate``
 with its static cache, which compiles its decode forward itself. Options: ``--layers`` / ``--prompt`` / ``--new`` /
-``--budget``; ``--tiny`` for a toy model (64 hidden, seconds).
+``--budget``; ``--tiny`` for tiny-random's shapes (64 hidden, seconds) instead of llama3-8b-random's.
 Needs about 3 GB of memory for two 8B-shaped layers with Llama-3's 128k vocabulary; takes 30-40 s per method on two
 CPU cores (inductor's C++ compile included).
 """
@@ -47,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch._inductor.graph as inductor_graph
+    from omegaconf import OmegaConf
     from torch._inductor import scheduler as sched
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvbench.budget import Budget
+    from kvbench.config import CONF_DIR
     from kvbench.engine import CompressionSession, greedy_generate
     from kvbench.methods import build_method
+    from kvbench.models.tiny import build_tiny_llama
 
     graphs: list[dict] = []
     original = inductor_graph.GraphLowering.count_bytes
@@ -72,17 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     torch._functorch.config.enable_autograd_cache = False
     logging.getLogger("torch._inductor.compile_fx").setLevel(logging.WARNING)
 
-    torch.manual_seed(0)
-    if args.tiny:
-        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=args.layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=65536)
-    else:
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
-                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
-                          rope_theta=500000.0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
-    prompt = torch.randint(3, cfg.vocab_size, (args.prompt,)).tolist()
-    print(f"{args.layers} layers, {'toy' if args.tiny else 'Llama-3-8B'} shapes, bf16, a {args.prompt}-token prompt, "
+    # the shapes of conf/model/llama3-8b-random.yaml (or tiny-random.yaml), built as the model loader builds them
+    name = "tiny-random" if args.tiny else "llama3-8b-random"
+    arch = {"vocab": 256, "tie_embeddings": 0, **OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml").tiny,
+            "layers": args.layers}
+    model = build_tiny_llama(arch, vocab_size=arch["vocab"], context_length=args.prompt + args.new, bos_token_id=1,
+                             eos_token_id=2, pad_token_id=0, attn_implementation="sdpa",
+                             dtype=torch.bfloat16).eval().requires_grad_(False)
+    prompt = torch.randint(3, arch["vocab"], (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+    print(f"{args.layers} layers of {name}'s shapes, bf16, a {args.prompt}-token prompt, "
           f"{args.new} new tokens; torch {torch.__version__}")
     for name in args.methods.split(","):
         graphs.clear()
